@@ -1,0 +1,3 @@
+from kprof.cli import main
+
+main()

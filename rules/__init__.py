@@ -1,0 +1,1 @@
+"""kprof's pattern -> fix rules (shipped as `kprof.rules`)."""
