@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One full GPU session on the lent H200, in as few calls as possible (the device budget is 30 min):
+#   bash benchmarks/gpu_run.sh [stages]      stages: comma list of env,tests,bench,calibrate,profile,apply (default: all)
+# Everything lands under $OUT (logs, kernels.csv, calibration, profile summaries); the lead commits
+# what matters to benchmarks/results/. Carry .whl (Liger Kernel wheel) with the call.
+set -uo pipefail
+OUT=${OUT:-/tmp/kprof-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 KPROF_CACHE_DIR="$OUT/cache"
+STAGES=${1:-env,tests,bench,calibrate,profile}
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+if has env; then
+  { date -u; nvidia-smi; python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"; } >"$OUT/env.txt" 2>&1
+  tail -3 "$OUT/env.txt"
+fi
+if has tests; then
+  # Correctness in parallel processes (timings are not taken here).
+  timeout 330 python3 -m pytest -q -n 8 -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -40
+fi
+if has bench; then
+  timeout 420 python3 benchmarks/bench_kernels.py --csv "$OUT/kernels.csv" 2>&1 | tee "$OUT/bench.log" | tail -60
+fi
+if has calibrate; then
+  timeout 120 kprof calibrate 2>&1 | tee "$OUT/calibrate.log" | tail -20
+fi
+if has profile; then
+  timeout 300 kprof profile examples/llama_train.py --out "$OUT/runs" -- --preset 1b --device cuda 2>&1 | tee "$OUT/profile_llama.log" | tail -80
+fi
+ls -la "$OUT"
