@@ -1,0 +1,273 @@
+"""The run store: one directory per profiled run, written atomically.
+
+Layout (`.kprof/runs/` under the current directory by default; `kprof profile --out DIR` moves it):
+
+    .kprof/runs/20250101-120000-gpt_train/
+        summary.json     everything the report shows: device, ceilings and their origin, versions,
+                         step definition, step times, overhead, memory, coverage, class breakdown,
+                         top ops, host syncs, status
+        ops.parquet      the per-op table (one row per executed op per recorded step)
+        trace.json.gz    the raw Chrome trace; opens in https://ui.perfetto.dev
+
+A run is first written into a hidden temp dir in the same parent and then renamed into place, so a
+reader never sees half a run and an interrupted save leaves only a `.tmp-*` dir behind (ignored by
+`list_runs`). Two saves in the same second race for the same name; `os.rename` of a directory onto
+an existing non-empty one fails on POSIX, so the loser takes the next free suffix (-2, -3, ...)
+and neither clobbers the other. Run dirs are never empty (summary.json is always written), which
+is what makes that rename check safe.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import errno
+import gzip
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from kprof.errors import KprofError
+
+DEFAULT_ROOT = Path(".kprof") / "runs"
+SUMMARY = "summary.json"
+OPS = "ops.parquet"
+TRACE = "trace.json.gz"
+FORMAT = 1  # bump when summary.json changes incompatibly
+
+# Parquet schema metadata key listing object columns stored as JSON text because Arrow could not
+# type them (e.g. `concrete_inputs`, whose items mix ints, floats, strings and None).
+_JSON_COLUMNS_KEY = b"kprof.json_columns"
+
+
+@dataclass
+class Run:
+    """A saved run: its directory, its summary, and (loaded on first use) its ops table."""
+
+    path: Path
+    summary: dict
+    _ops: pd.DataFrame | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def ops(self) -> pd.DataFrame:
+        if self._ops is None:
+            self._ops = load_ops(self.path)
+        return self._ops
+
+    @property
+    def summary_path(self) -> Path:
+        return self.path / SUMMARY
+
+    @property
+    def ops_path(self) -> Path:
+        return self.path / OPS
+
+    @property
+    def trace_path(self) -> Path | None:
+        p = self.path / TRACE
+        return p if p.exists() else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def run_dir_name(script: str, when: _dt.datetime) -> str:
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(script).stem) or "script"
+    return f"{when:%Y%m%d-%H%M%S}-{stem}"
+
+
+def save_run(
+    summary: dict,
+    ops: pd.DataFrame,
+    trace_path: str | os.PathLike | None,
+    *,
+    root: str | os.PathLike = DEFAULT_ROOT,
+    name: str | None = None,
+) -> Path:
+    """Write a run atomically under `root` and return its final directory.
+
+    `name` defaults to `<YYYYmmdd-HHMMSS>-<script stem>` from `summary["script"]` and now.
+    """
+    root = Path(root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KprofError(f"cannot create the run store {root}: {e.strerror}; pass --out DIR to save elsewhere") from e
+    base = name or run_dir_name(summary.get("script", "script"), _dt.datetime.now())
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{base}-", dir=root))
+    try:
+        summary = dict(summary)
+        summary.setdefault("format", FORMAT)
+        summary["files"] = {"summary": SUMMARY, "ops": OPS, "trace": TRACE if trace_path else None}
+        _write_ops(ops, tmp / OPS)
+        if trace_path:
+            _gzip_copy(Path(trace_path), tmp / TRACE)
+        # summary.json last: its presence marks a complete run (see load_summary).
+        with open(tmp / SUMMARY, "w") as f:
+            json.dump(_jsonable(summary), f, indent=1, allow_nan=False)
+        final = _rename_free(tmp, root, base)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _rename_free(tmp: Path, root: Path, base: str) -> Path:
+    for i in range(1, 1000):
+        final = root / (base if i == 1 else f"{base}-{i}")
+        if final.exists():
+            continue
+        try:
+            os.rename(tmp, final)
+            return final
+        except OSError as e:  # lost a race for this name to a concurrent save
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+    raise KprofError(f"more than 999 runs named {base} in {root}; clean up old runs")
+
+
+def _write_ops(ops: pd.DataFrame, path: Path) -> None:
+    # Parquet because it keeps the table typed and columnar, stores list columns (input shapes,
+    # strides) natively, and is read directly by pandas, polars and duckdb.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    df = ops.reset_index(drop=True)
+    json_cols = []
+    arrays = {}
+    for col in df.columns:
+        try:
+            arrays[col] = pa.array(df[col], from_pandas=True)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+            json_cols.append(col)
+            arrays[col] = pa.array([json.dumps(_jsonable(v)) for v in df[col]], type=pa.string())
+    table = pa.table(arrays) if arrays else pa.table({})
+    meta = dict(table.schema.metadata or {})
+    meta[_JSON_COLUMNS_KEY] = json.dumps(json_cols).encode()
+    pq.write_table(table.replace_schema_metadata(meta), path)
+
+
+def _gzip_copy(src: Path, dst: Path) -> None:
+    if not src.exists():
+        raise KprofError(f"the profiler's trace {src} is missing; the run can't be saved with its trace")
+    if src.suffix == ".gz":
+        shutil.copyfile(src, dst)
+        return
+    # Level 6 (zlib's default): GPU traces reach hundreds of MB and level 9 is several times slower
+    # for a few percent.
+    with open(src, "rb") as fi, gzip.open(dst, "wb", compresslevel=6) as fo:
+        shutil.copyfileobj(fi, fo, length=1 << 20)
+
+
+def _jsonable(v: Any) -> Any:
+    """Plain JSON types: numpy scalars/arrays to Python, NaN/inf to None, Paths to str."""
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, int):
+        return int(v)
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple, set)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, os.PathLike):
+        return os.fspath(v)
+    if hasattr(v, "tolist"):  # numpy scalar or array, torch tensor
+        return _jsonable(v.tolist())
+    if hasattr(v, "isoformat"):
+        return v.isoformat()
+    return str(v)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def list_runs(root: str | os.PathLike = DEFAULT_ROOT) -> list[Path]:
+    """Run directories under `root`, oldest first (by the timestamp in the name, then mtime).
+    Hidden dirs (unfinished saves) are skipped; a missing root is an empty store."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    runs = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    return sorted(runs, key=lambda p: (p.name[:15], p.stat().st_mtime_ns, p.name))
+
+
+def latest_run(root: str | os.PathLike = DEFAULT_ROOT) -> Path:
+    runs = list_runs(root)
+    if not runs:
+        raise KprofError(f"no runs in {root}; profile a script first: kprof profile SCRIPT")
+    return runs[-1]
+
+
+def resolve_run(spec: str | os.PathLike | None, root: str | os.PathLike = DEFAULT_ROOT) -> Path:
+    """A run directory from a path, a run name inside `root`, or None for the latest run."""
+    if spec is None:
+        return latest_run(root)
+    p = Path(spec)
+    if p.is_dir():
+        return p
+    if (Path(root) / p).is_dir():
+        return Path(root) / p
+    raise KprofError(f"run directory {p} not found; list saved runs with: kprof runs")
+
+
+def load_summary(run: str | os.PathLike) -> dict:
+    path = Path(run) / SUMMARY
+    if not Path(run).is_dir():
+        raise KprofError(f"run directory {run} not found; list saved runs with: kprof runs")
+    if not path.is_file():
+        raise KprofError(f"{path} is missing: {run} is not a complete kprof run (profile again)")
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise KprofError(f"{path} is corrupt ({e}); profile the script again") from e
+    if not isinstance(summary, dict) or "script" not in summary:
+        raise KprofError(f"{path} is not a kprof run summary (no 'script' field); profile the script again")
+    if summary.get("format", FORMAT) > FORMAT:
+        raise KprofError(f"{path} was written by a newer kprof (format {summary['format']}); upgrade kprof")
+    return summary
+
+
+def load_ops(run: str | os.PathLike) -> pd.DataFrame:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = Path(run) / OPS
+    if not path.is_file():
+        raise KprofError(f"{path} is missing: {run} is not a complete kprof run (profile again)")
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as e:
+        raise KprofError(f"{path} is corrupt ({e}); profile the script again") from e
+    meta = table.schema.metadata or {}
+    json_cols = json.loads(meta.get(_JSON_COLUMNS_KEY, b"[]"))
+    df = table.to_pandas()
+    # Arrow hands list columns back as numpy arrays of arrays; give them back as the lists the op
+    # table was built with (input_shapes == [[8, 128], [128]]).
+    for fld in table.schema:
+        if pa.types.is_list(fld.type) or pa.types.is_large_list(fld.type):
+            df[fld.name] = table.column(fld.name).to_pylist()
+    for col in json_cols:
+        df[col] = [json.loads(s) for s in df[col]]
+    return df
+
+
+def load_run(spec: str | os.PathLike | None = None, root: str | os.PathLike = DEFAULT_ROOT) -> Run:
+    """A saved run (the latest under `root` by default); its ops table loads on first use."""
+    path = resolve_run(spec, root)
+    return Run(path=path, summary=load_summary(path))
