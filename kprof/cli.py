@@ -1,14 +1,222 @@
-"""kprof's command line: thin typer commands over the library. (Being built: see README.)"""
+"""kprof's command line: thin typer commands over the library (kprof.profile, kprof.store,
+kprof.ceilings); rendering in kprof.report. KprofError is caught once, in main()."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Iterator, Optional
 
 import typer
+from rich.console import Console
+from rich.text import Text
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-app = typer.Typer(no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]})
+import kprof
+from kprof import store
+from kprof.errors import KprofError
+
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,  # main() prints KprofError itself; anything else is a kprof bug
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _version(value: bool) -> None:
+    if value:
+        console.print(f"kprof {kprof.__version__}")
+        raise typer.Exit()
 
 
 @app.callback()
-def _root() -> None:
+def _root(
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
+                                                    help="Print kprof's version and exit.")] = None,
+) -> None:
     """Profile PyTorch training steps on the roofline, suggest fused kernels, patch them in."""
 
 
-def main() -> None:
-    app()
+# --------------------------------------------------------------------------------------------
+# kprof profile
+
+class StepMode(str, Enum):
+    auto = "auto"
+    optimizer = "optimizer"
+    forward = "forward"
+
+
+PHASES = {"warmup": "warmup (not timed)", "timing": "timed steps", "profiling": "profiled steps"}
+
+
+class _LiveProgress:
+    """Adapts the runner's progress(event, **info) callback to a rich display: one step counter
+    per phase while the script runs, then a spinner for the analysis."""
+
+    def __init__(self, progress: Progress, warmup: int, steps: int):
+        self.p = progress
+        totals = {"warmup": warmup, "timing": steps, "profiling": steps}
+        self.tasks = {ph: progress.add_task(label, total=totals[ph] or None, visible=False)
+                      for ph, label in PHASES.items()}
+        self.spinner = None
+
+    def __call__(self, event: str, **info) -> None:
+        phase = info.get("phase", event)
+        if phase in self.tasks:
+            task = self.tasks[phase]
+            done = info.get("step")
+            # `step` is the 0-based index within the phase of the step that just finished
+            self.p.update(task, visible=True, completed=(done + 1) if isinstance(done, int) else None)
+            if not isinstance(done, int):
+                self.p.advance(task)
+        elif event in ("analysis", "save"):
+            for t in self.tasks.values():
+                self.p.stop_task(t)
+            label = "analysing the trace" if event == "analysis" else "saving the run"
+            if self.spinner is None:
+                self.spinner = self.p.add_task(label, total=None)
+            else:
+                self.p.update(self.spinner, description=label)
+
+
+@contextmanager
+def _live(warmup: int, steps: int) -> Iterator[_LiveProgress | None]:
+    # The live display goes to stderr so piped stdout stays the script's output plus the report.
+    if not err_console.is_terminal:
+        yield None
+        return
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, console=err_console, transient=True, redirect_stdout=True,
+                  redirect_stderr=True) as p:
+        yield _LiveProgress(p, warmup, steps)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": False})
+def profile(
+    ctx: typer.Context,
+    script: Annotated[Path, typer.Argument(help="The training script to run, unmodified. "
+                                                "Arguments after `--` go to the script.")],
+    warmup: Annotated[int, typer.Option(help="Steps run before timing starts (compilation, "
+                                             "autotuning, allocator warm-up).")] = 3,
+    steps: Annotated[int, typer.Option(help="Steps timed without the profiler, and again under it.")] = 5,
+    run_to_end: Annotated[bool, typer.Option("--run-to-end", help="Let the script finish instead "
+                                             "of stopping it after the recorded steps.")] = False,
+    step: Annotated[StepMode, typer.Option("--step", help="What one step is: optimizer (each "
+                                      "optimizer.step()), forward (each call of the outermost "
+                                      "module) or auto (optimizer if the script has one).")] = StepMode.auto,
+    out: Annotated[Path, typer.Option("--out", help="Run store directory.")] = store.DEFAULT_ROOT,
+) -> None:
+    """Run SCRIPT under the profiler and show where each step's time goes, on the roofline."""
+    from kprof import report
+    from kprof.profile import profile_script
+
+    argv = list(ctx.args)
+    if not script.is_file():
+        raise KprofError(f"script {script} not found (kprof profile takes a path to a Python file)", exit_code=2)
+    with _live(warmup, steps) as live:
+        run = profile_script(str(script), argv, warmup=warmup, steps=steps, run_to_end=run_to_end,
+                             step_mode=step.value, out_root=out, progress=live)
+    report.render(run.summary, run.path, console)
+    if run.summary.get("status") == "error":
+        raise typer.Exit(run.summary.get("exit_code") or 1)
+    if run.summary.get("status") == "interrupted":
+        raise typer.Exit(130)  # 128 + SIGINT, the shell's convention
+
+
+# --------------------------------------------------------------------------------------------
+# kprof runs / report / calibrate
+
+
+@app.command()
+def runs(
+    out: Annotated[Path, typer.Option("--out", help="Run store directory.")] = store.DEFAULT_ROOT,
+) -> None:
+    """List saved runs, oldest first."""
+    from kprof import report
+
+    paths = store.list_runs(out)
+    if not paths:
+        console.print(f"no runs in {out}; profile a script first: kprof profile SCRIPT")
+        return
+    rows = []
+    for p in paths:
+        try:
+            s = store.load_summary(p)
+        except KprofError as e:  # one broken run must not hide the others
+            rows.append(dict(run=p.name, status=f"[red]unreadable[/red]: {e}", device="", step="",
+                             **{"ms/step": "", "steps": ""}))
+            continue
+        st = s.get("step_time_ms") or {}
+        rows.append(dict(run=p.name, status=s.get("status", "?"), device=(s.get("device") or {}).get("name", "?"),
+                         step=s.get("step_definition") or "?", **{"ms/step": report.fmt_ms(st.get("median")),
+                                                                   "steps": str(s.get("steps_recorded", "?"))}))
+    report.render_runs(rows, console)
+
+
+@app.command("report")
+def report_cmd(
+    run: Annotated[Optional[str], typer.Argument(help="Run directory or name; default: the latest.")] = None,
+    out: Annotated[Path, typer.Option("--out", help="Run store directory.")] = store.DEFAULT_ROOT,
+) -> None:
+    """Show a saved run's report again."""
+    from kprof import report
+
+    r = store.load_run(run, out)
+    report.render(r.summary, r.path, console)
+
+
+@app.command()
+def calibrate(
+    quick: Annotated[bool, typer.Option("--quick", help="Smaller sizes and fewer repeats: "
+                                        "seconds instead of a minute, less accurate.")] = False,
+) -> None:
+    """Measure this device's memory bandwidth, matmul peaks and launch latency; cache them."""
+    from dataclasses import asdict, is_dataclass
+
+    from rich.table import Table
+
+    from kprof import ceilings
+    from kprof.runner import device_info
+
+    dev = device_info()
+    with err_console.status(f"measuring {dev.get('name', 'the device')}..."):
+        c = ceilings.calibrate(dev, quick=quick)
+    d = asdict(c) if is_dataclass(c) else dict(c)
+    t = Table(title=f"Ceilings of {d.get('device', dev.get('name'))}", title_justify="left")
+    t.add_column("ceiling")
+    t.add_column("value", justify="right")
+    for k, v in d.items():
+        if isinstance(v, dict):
+            for kk, vv in v.items():
+                t.add_row(f"{k} {kk}", str(vv))
+        else:
+            t.add_row(k, str(v))
+    console.print(t)
+    where = getattr(ceilings, "cache_path", None)
+    if callable(where):
+        console.print(f"cached in {where(dev)}")
+
+
+# Room for `kprof suggest` and `kprof apply` (kprof/cli_patch.py registers them when it exists).
+try:
+    from kprof import cli_patch as _cli_patch
+except ImportError:
+    _cli_patch = None
+if _cli_patch is not None and hasattr(_cli_patch, "register"):
+    _cli_patch.register(app)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point; the one place a KprofError becomes a red message and its exit code (1, or 2
+    for usage errors). Click handles its own usage errors (exit 2) in standalone mode."""
+    try:
+        app(args=argv, prog_name="kprof")
+    except KprofError as e:
+        err_console.print(Text("error: ", style="bold red") + Text(str(e), style="red"))
+        sys.exit(e.exit_code)

@@ -1,0 +1,252 @@
+"""Terminal rendering of a saved run. Rendering only: every number comes from summary.json, which
+kprof/profile.py fills from the analysis functions; nothing here computes a statistic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+# --------------------------------------------------------------------------------------------
+# Number formatting
+
+
+def _num(v: Any) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if f != f else f  # NaN -> None
+
+
+def fmt_ms(v: Any) -> str:
+    f = _num(v)
+    if f is None:
+        return "–"
+    if f >= 100:
+        return f"{f:,.0f}"
+    if f >= 10:
+        return f"{f:.1f}"
+    if f >= 0.1:
+        return f"{f:.2f}"
+    return f"{f:.3f}"
+
+
+def fmt_pct(v: Any, digits: int = 1) -> str:
+    f = _num(v)
+    return "–" if f is None else f"{f:.{digits}f}%"
+
+
+def fmt_float(v: Any, digits: int = 2) -> str:
+    f = _num(v)
+    if f is None:
+        return "–"
+    if f != 0 and abs(f) < 10 ** -digits:
+        return f"{f:.1e}"
+    return f"{f:,.{digits}f}"
+
+
+def fmt_bytes(v: Any) -> str:
+    f = _num(v)
+    if f is None:
+        return "–"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if f >= scale:
+            return f"{f / scale:.2f} {unit}"
+    return f"{f:.0f} B"
+
+
+def _first(row: dict, names: Sequence[str]) -> Any:
+    for n in names:
+        if n in row:
+            return row[n]
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+
+
+def _is_cpu(summary: dict) -> bool:
+    return (summary.get("device") or {}).get("type") == "cpu"
+
+
+def header(summary: dict, run_path: Path | None) -> Panel:
+    dev = summary.get("device") or {}
+    ceil = summary.get("ceilings") or {}
+    st = summary.get("step_time_ms") or {}
+    pst = summary.get("profiled_step_time_ms") or {}
+    status = summary.get("status", "?")
+    style = {"completed": "green", "stopped": "green", "error": "red", "interrupted": "yellow"}.get(status, "white")
+
+    g = Table.grid(padding=(0, 2))
+    g.add_column(style="bold")
+    g.add_column()
+    g.add_row("script", " ".join([summary.get("script", "?"), *summary.get("argv", [])]))
+    g.add_row("status", Text(f"{status}" + (f" (exit code {summary.get('exit_code')})" if status == "error" else ""), style=style)
+              + Text(f"  {summary.get('status_note') or ''}", style="dim"))
+    dev_line = f"{dev.get('name', '?')}"
+    if dev.get("type") == "cuda":
+        dev_line += f"  (sm_{''.join(str(c) for c in dev.get('capability') or [])}, {dev.get('sm_count', '?')} SMs, {fmt_bytes(dev.get('total_memory'))})"
+    g.add_row("device", dev_line)
+    if ceil:
+        origin = ceil.get("source", "?")
+        g.add_row("ceilings", f"{fmt_float(ceil.get('mem_bw (GB/s)'), 0)} GB/s, "
+                  + ", ".join(f"{k} {fmt_float(v, 1)} TFLOP/s" for k, v in _peaks(ceil))
+                  + f"  [dim]({origin})[/dim]")
+    g.add_row("step", f"{summary.get('step_definition', '?')}: {summary.get('steps_recorded', 0)} recorded of "
+              f"{summary.get('steps', '?')} requested, after {summary.get('warmup', '?')} warmup + "
+              f"{len(summary.get('step_times_ms') or [])} timed")
+    if st:
+        line = (f"{fmt_ms(st.get('median'))} ms median ± {fmt_ms(st.get('spread'))} "
+                f"[dim]({st.get('spread_definition', 'spread')}, n={st.get('n', '?')}, unprofiled)[/dim]")
+        if summary.get("tokens_per_s"):
+            line += f"   {summary['tokens_per_s']:,.0f} tokens/s"
+        g.add_row("step time", line)
+    if summary.get("busy_pct") is not None:
+        what = "CPU op time" if _is_cpu(summary) else "GPU busy"
+        g.add_row("busy", f"{what} {fmt_pct(summary['busy_pct'])} of the step")
+    if summary.get("peak_memory_bytes") is not None:
+        g.add_row("memory", f"{fmt_bytes(summary['peak_memory_bytes'])} peak [dim]({summary.get('peak_memory_kind', '')})[/dim]")
+    if summary.get("profiler_overhead_pct") is not None:
+        g.add_row("overhead", f"profiled steps {fmt_ms(pst.get('median'))} ms median: "
+                  f"{summary['profiler_overhead_pct']:+.0f}% vs unprofiled")
+    if summary.get("coverage_pct") is not None:
+        g.add_row("coverage", f"{fmt_pct(summary['coverage_pct'])} of op time has a known FLOP/byte cost")
+
+    parts: list[Any] = [g]
+    if _is_cpu(summary):
+        parts.append(Text(
+            "CPU run: op times are CPU self times and the roofline uses CPU ceilings. "
+            "Classes and percentages describe this CPU, not a GPU; profile on the GPU for GPU numbers.",
+            style="yellow"))
+    name = run_path.name if run_path else "unsaved run"
+    return Panel(Group(*parts), title=f"[bold]kprof profile[/bold] · {name}", title_align="left")
+
+
+def _peaks(ceil: dict) -> Iterable[tuple[str, float]]:
+    peaks = ceil.get("peak_tflops") or {}
+    for k in ("fp32", "tf32", "bf16", "fp16", "fp8"):
+        if peaks.get(k):
+            yield k, peaks[k]
+
+
+CLASS_STYLE = {"compute-bound": "green", "memory-bound": "cyan", "latency-bound": "magenta",
+               "communication": "blue", "idle": "red", "unknown": "dim"}
+
+
+def class_table(summary: dict) -> Table | None:
+    rows = summary.get("class_breakdown") or []
+    if not rows:
+        return None
+    t = Table(title="Time per class (per step)", title_justify="left")
+    t.add_column("class")
+    t.add_column("ms/step", justify="right")
+    t.add_column("% of step", justify="right")
+    for r in rows:
+        cls = str(_first(r, ["class"]))
+        t.add_row(Text(cls, style=CLASS_STYLE.get(cls, "")),
+                  fmt_ms(_first(r, ["ms/step", "time/step (ms)", "time (ms/step)"])),
+                  fmt_pct(_first(r, ["% of step"])))
+    return t
+
+
+# (header, candidate keys in a top-ops record, formatter, justify)
+TOP_COLUMNS: list[tuple[str, list[str], Callable[[Any], str], str]] = [
+    ("op", ["op"], str, "left"),
+    ("shapes", ["shapes"], str, "left"),
+    ("dtype", ["dtype"], str, "left"),
+    ("ms/step", ["ms/step", "time/step (ms)", "time (ms/step)"], fmt_ms, "right"),
+    ("% step", ["% of step"], fmt_pct, "right"),
+    ("TFLOP/s", ["TFLOP/s"], lambda v: fmt_float(v, 2), "right"),
+    ("GB/s", ["GB/s"], lambda v: fmt_float(v, 1), "right"),
+    ("FLOP/B", ["intensity (FLOP/B)"], lambda v: fmt_float(v, 1), "right"),
+    ("% roof", ["% of roofline"], fmt_pct, "right"),
+]
+
+
+def top_ops_table(summary: dict) -> Table | None:
+    rows = summary.get("top_ops") or []
+    if not rows:
+        return None
+    # Group by module path, modules in order of their time among the top ops (rows arrive sorted by
+    # time, so a module's first row is its heaviest op).
+    order: dict[str, list[dict]] = {}
+    for r in rows:
+        order.setdefault(str(r.get("module", "")), []).append(r)
+    t = Table(title=f"Top {len(rows)} ops by device time, grouped by module", title_justify="left")
+    t.add_column("module", overflow="fold", max_width=40)
+    for head, _, _, justify in TOP_COLUMNS:
+        t.add_column(head, justify=justify, overflow="fold", max_width=36 if head == "shapes" else None)
+    t.add_column("class")
+    for module, group in order.items():
+        for i, r in enumerate(group):
+            cells = [_module_label(module) if i == 0 else ""]
+            cells += [f(v) if (v := _first(r, keys)) is not None else "–" for _, keys, f, _ in TOP_COLUMNS]
+            cls = str(r.get("class", ""))
+            t.add_row(*cells, Text(cls, style=CLASS_STYLE.get(cls, "")), end_section=i == len(group) - 1)
+    return t
+
+
+def _module_label(path: str) -> str:
+    return "(root)" if path == "" else path
+
+
+def syncs_table(summary: dict) -> Table | Text:
+    syncs = summary.get("syncs") or []
+    if not syncs:
+        return Text("Host syncs: none seen in the recorded steps.", style="green")
+    cpu = _is_cpu(summary)
+    title = "Host syncs in the recorded steps" + (" (CPU run: these would sync on a GPU)" if cpu else "")
+    t = Table(title=title, title_justify="left")
+    t.add_column("where", overflow="fold")
+    t.add_column("kind")
+    t.add_column("count", justify="right")
+    t.add_column("code", overflow="fold")
+    for s in syncs:
+        where = f"{s.get('file', '?')}:{s.get('line', '?')}"
+        if s.get("function"):
+            where += f" ({s['function']})"
+        t.add_row(where, str(s.get("kind", "?")), str(s.get("count", "")), str(s.get("code", "")).strip())
+    return t
+
+
+def files_section(run_path: Path | None, summary: dict) -> Text:
+    if run_path is None:
+        return Text("not saved (no step was recorded)", style="dim")
+    files = summary.get("files") or {}
+    lines = [f"run       {run_path}"]
+    for key, label in (("summary", "summary"), ("ops", "ops"), ("trace", "trace")):
+        if files.get(key):
+            extra = "  (open in https://ui.perfetto.dev)" if key == "trace" else ""
+            lines.append(f"{label:<9} {run_path / files[key]}{extra}")
+    return Text("\n".join(lines))
+
+
+def render(summary: dict, run_path: Path | None, console: Console) -> None:
+    console.print(header(summary, run_path))
+    for part in (class_table(summary), top_ops_table(summary)):
+        if part is not None:
+            console.print(part)
+    if summary.get("steps_recorded", 0) == 0:
+        console.print(Text("No step was recorded, so there are no op timings.", style="yellow"))
+    console.print(syncs_table(summary))
+    if summary.get("error"):
+        console.print(Panel(Text(summary["error"].rstrip()), title="the script raised", border_style="red",
+                            title_align="left"))
+    console.print(files_section(run_path, summary))
+
+
+def render_runs(rows: list[dict], console: Console) -> None:
+    """`kprof runs`: one row per saved run (rows built by the CLI from summaries)."""
+    t = Table(title="Saved runs (oldest first)", title_justify="left")
+    for col, justify in (("run", "left"), ("status", "left"), ("device", "left"), ("step", "left"),
+                         ("ms/step", "right"), ("steps", "right")):
+        t.add_column(col, justify=justify)
+    for r in rows:
+        t.add_row(r["run"], r["status"], r["device"], r["step"], r["ms/step"], r["steps"])
+    console.print(t)
