@@ -1,0 +1,617 @@
+"""SwiGLU and GeGLU: `act(gate) * up` in one pass over memory, forward and backward.
+
+Eager HF code (LlamaMLP, GemmaMLP) writes `act_fn(gate_proj(x)) * up_proj(x)`: one kernel for
+the activation (read gate, write a) and one for the product (read a and up, write y), so 5
+tensor passes forward and, with autograd saving `a`, about 9 backward. The fused kernels here
+read gate and up once and write y once (3 passes); the backward recomputes the activation from
+gate instead of saving it and reads dy, gate, up and writes d_gate, d_up (5 passes).
+
+Napkin math (H200, 4.27 TB/s measured copy bandwidth), gate, up 8192x11008 bf16, E = 90.2M
+elements: forward 3 * 2E bytes = 541 MB -> 127 us floor; backward 5 * 2E = 902 MB -> 211 us;
+forward+backward 338 us. Targets: fwd <= 135 us, fwd+bwd <= 375 us.
+
+Two calling conventions:
+- separate: `swiglu(gate, up)`, `geglu(gate, up, approximate=...)`, gate and up of equal shape
+  [..., I] (non-contiguous views accepted, e.g. the two halves of a fused projection);
+- packed: `swiglu_packed(gu)`, `geglu_packed(gu, approximate=...)`, gu of shape [..., 2*I] with
+  the GATE in the FIRST half and UP in the SECOND: gate = gu[..., :I], up = gu[..., I:]
+  (the layout of `gu.chunk(2, dim=-1)` -> (gate, up), as in Phi-3's gate_up_proj). The
+  backward returns one d_gu of the same [..., 2*I] layout.
+
+Numerics: the kernels upcast to fp32, compute the activation and the product in fp32 and round
+once to the input dtype. Eager bf16 rounds twice (after the activation, after the product), so
+the kernel is at least as close to the fp32 result as eager is; the `*_reference` functions are
+the eager formulation (what `apply` compares against and what the CPU fallback runs).
+
+Layers, in order: Triton kernels, launch config, launchers, torch.library custom ops,
+autograd.Functions, public functions, references, registry specs. The activation helper
+`act_and_grad` and the row-view helpers are also used by `kprof.kernels.bias_gelu`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kprof.errors import KprofError
+from kprof.kernels._common import interpreter_enabled, use_triton, warn_fallback
+from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
+
+# Activation codes passed to the kernels as the ACT constexpr.
+ACT_SILU = 0
+ACT_GELU_TANH = 1
+ACT_GELU_ERF = 2
+_GELU_ACT = {"tanh": ACT_GELU_TANH, "none": ACT_GELU_ERF}
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Triton kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def act_and_grad(g, ACT: tl.constexpr):
+    """(act(g), act'(g)) for an fp32 block g. ACT: 0 silu, 1 gelu tanh, 2 gelu erf.
+
+    Forward kernels use only the first value; the compiler drops the unused derivative.
+    """
+    if ACT == 2:
+        # gelu(g) = g * Phi(g), Phi(g) = 0.5 * (1 + erf(g / sqrt(2)));
+        # gelu'(g) = Phi(g) + g * phi(g), phi(g) = exp(-g^2 / 2) / sqrt(2 pi).
+        cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
+        a = g * cdf
+        da = cdf + g * (0.3989422804014327 * tl.exp(-0.5 * g * g))
+    else:
+        if ACT == 1:
+            # tanh GELU: 0.5 * g * (1 + tanh(z)), z = sqrt(2/pi) * (g + 0.044715 g^3).
+            # 0.5 * (1 + tanh(z)) == sigmoid(2z), so gelu_tanh(g) = g * sigmoid(2z): the same
+            # shape as silu, with no 1 + tanh cancellation for very negative g and no tanh
+            # (not in tl.math on Triton 3.6). 1.5957691216057308 = 2 * sqrt(2/pi);
+            # 0.134145 = 3 * 0.044715 (from d/dg of g^3).
+            u = 1.5957691216057308 * (g + 0.044715 * g * g * g)
+            du = 1.5957691216057308 * (1.0 + 0.134145 * g * g)
+        else:
+            u = g
+            du = 1.0
+        # act = g * s(u); act' = s(u) + g * s(u) * (1 - s(u)) * u'
+        s = tl.sigmoid(u)
+        a = g * s
+        da = s + g * s * (1.0 - s) * du
+    return a, da
+
+
+@triton.jit
+def _tile(pid, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Row and column indices (int64, so offsets past 2^31 elements are safe) of program
+    `pid`'s [BLOCK_M, BLOCK_N] tile, column blocks fastest, and the in-bounds mask."""
+    n_col_blocks = tl.cdiv(n_cols, BLOCK_N)
+    pid_m = pid // n_col_blocks
+    pid_n = pid % n_col_blocks
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    return rows, cols, mask
+
+
+@triton.jit
+def _glu_fwd_kernel(
+    g_ptr, u_ptr, y_ptr,
+    n_rows, n_cols,
+    stride_g, stride_u, stride_y,  # row strides, in elements; columns have stride 1
+    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    rows, cols, mask = _tile(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N)
+    r = rows[:, None]
+    c = cols[None, :]
+    # Upcast before any arithmetic (accuracy; and the interpreter gets bf16 arithmetic wrong).
+    g = tl.load(g_ptr + r * stride_g + c, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + r * stride_u + c, mask=mask, other=0.0).to(tl.float32)
+    a, _ = act_and_grad(g, ACT)
+    tl.store(y_ptr + r * stride_y + c, (a * u).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _glu_bwd_kernel(
+    dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr,
+    n_rows, n_cols,
+    stride_dy, stride_g, stride_u, stride_dg, stride_du,
+    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    rows, cols, mask = _tile(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N)
+    r = rows[:, None]
+    c = cols[None, :]
+    dy = tl.load(dy_ptr + r * stride_dy + c, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + r * stride_g + c, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + r * stride_u + c, mask=mask, other=0.0).to(tl.float32)
+    # Recompute act(gate) rather than saving it: saves one tensor of memory and 2 bytes/elem
+    # of traffic (write in forward, read in backward); the math is free in a streaming kernel.
+    a, da = act_and_grad(g, ACT)
+    tl.store(dg_ptr + r * stride_dg + c, (dy * u * da).to(dg_ptr.dtype.element_ty), mask=mask)
+    tl.store(du_ptr + r * stride_du + c, (dy * a).to(du_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Launch configuration and launchers
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Tile shape and warps for the elementwise streaming kernels (glu, bias_gelu)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+
+    # 4096 elements per program: at 8 warps that is 16 elements per thread per tensor, i.e. two
+    # 16-byte vector accesses for bf16 (four for fp32), enough bytes in flight per SM to stream
+    # (inductor's pointwise kernels use 1024-2048 per program at 4-8 warps). Not yet swept on
+    # the H200; the lead's benchmark run is where this gets tuned.
+    TILE = 4096
+
+    @classmethod
+    def streaming(cls, n_rows: int, n_cols: int) -> "StreamConfig":
+        """A [block_m, block_n] tile of about TILE elements; wide rows are split into column
+        blocks (so any row length works), narrow rows are stacked so a program still moves
+        TILE elements."""
+        block_n = min(triton.next_power_of_2(max(n_cols, 1)), cls.TILE)
+        block_m = min(max(cls.TILE // block_n, 1), triton.next_power_of_2(max(n_rows, 1)))
+        num_warps = 8 if block_m * block_n >= 4096 else 4
+        return cls(block_m, block_n, num_warps)
+
+    def grid(self, n_rows: int, n_cols: int) -> tuple[int]:
+        return (triton.cdiv(n_rows, self.block_m) * triton.cdiv(n_cols, self.block_n),)
+
+
+def device_ctx(t: torch.Tensor):
+    """Launch on t's GPU (Triton launches on the current device)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """A 2-D (rows, n_cols) view of t with unit column stride; copies only if none exists
+    (e.g. a transposed input). Row strides may be anything (halves of a packed tensor, stride-0
+    broadcast rows)."""
+    try:
+        v = t.view(-1, n_cols)
+    except RuntimeError:  # leading dims not collapsible into one row index without a copy
+        v = t.reshape(-1, n_cols).contiguous()
+    if v.stride(1) != 1 and n_cols > 1:
+        v = v.contiguous()
+    return v
+
+
+def _check_dtype(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise KprofError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise KprofError(
+            f"{name} has dtype {t.dtype}; kprof's GLU kernels support float32, float16 and bfloat16 "
+            f"(cast with .float() or .to(torch.bfloat16) first)"
+        )
+    if t.dim() == 0:
+        raise KprofError(f"{name} is a 0-d tensor; expected shape [..., features]")
+
+
+def _check_pair(gate: torch.Tensor, up: torch.Tensor) -> None:
+    _check_dtype("gate", gate)
+    _check_dtype("up", up)
+    if gate.shape != up.shape:
+        raise KprofError(
+            f"gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)} "
+            f"(no broadcasting; for one [..., 2*I] tensor use the *_packed functions)"
+        )
+    if gate.dtype != up.dtype:
+        raise KprofError(f"gate and up must have the same dtype, got {gate.dtype} and {up.dtype}")
+    if gate.device != up.device:
+        raise KprofError(f"gate and up must be on the same device, got {gate.device} and {up.device}")
+
+
+def _check_packed(gu: torch.Tensor) -> None:
+    _check_dtype("gu", gu)
+    if gu.shape[-1] % 2:
+        raise KprofError(
+            f"gu's last dim must be even (gate half then up half), got shape {tuple(gu.shape)}"
+        )
+
+
+def _check_same(name: str, t: torch.Tensor, shape: torch.Size, like: torch.Tensor) -> None:
+    if t.shape != shape or t.dtype != like.dtype or t.device != like.device:
+        raise KprofError(
+            f"{name} must have shape {tuple(shape)}, dtype {like.dtype} on {like.device}; "
+            f"got {tuple(t.shape)}, {t.dtype} on {t.device}"
+        )
+
+
+def _approx_act(approximate: str) -> int:
+    if approximate not in _GELU_ACT:
+        raise KprofError(f"approximate must be 'tanh' or 'none' (as in F.gelu), got {approximate!r}")
+    return _GELU_ACT[approximate]
+
+
+def _launch_fwd(g2: torch.Tensor, u2: torch.Tensor, y2: torch.Tensor, act: int) -> None:
+    """g2, u2, y2: (rows, cols) with unit column stride."""
+    n_rows, n_cols = y2.shape
+    cfg = StreamConfig.streaming(n_rows, n_cols)
+    with device_ctx(y2):
+        _glu_fwd_kernel[cfg.grid(n_rows, n_cols)](
+            g2, u2, y2, n_rows, n_cols, g2.stride(0), u2.stride(0), y2.stride(0),
+            ACT=act, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        )  # fmt: skip
+
+
+def _launch_bwd(dy2, g2, u2, dg2, du2, act: int) -> None:
+    n_rows, n_cols = dy2.shape
+    cfg = StreamConfig.streaming(n_rows, n_cols)
+    with device_ctx(dy2):
+        _glu_bwd_kernel[cfg.grid(n_rows, n_cols)](
+            dy2, g2, u2, dg2, du2, n_rows, n_cols,
+            dy2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0),
+            ACT=act, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        )  # fmt: skip
+
+
+def glu_fwd(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
+    """y = act(gate) * up, y contiguous in gate's shape and dtype."""
+    _check_pair(gate, up)
+    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if y.numel() == 0:
+        return y
+    if gate.is_contiguous() and up.is_contiguous():
+        # One long row: the kernel streams the flat buffers; no per-row tail blocks.
+        _launch_fwd(gate.view(1, -1), up.view(1, -1), y.view(1, -1), act)
+    else:
+        n = gate.shape[-1]
+        _launch_fwd(as_rows(gate, n), as_rows(up, n), y.view(-1, n), act)
+    return y
+
+
+def glu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_gate, d_up), both contiguous."""
+    _check_pair(gate, up)
+    _check_same("dy", dy, gate.shape, gate)
+    dg = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    du = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if dg.numel() == 0:
+        return dg, du
+    if dy.is_contiguous() and gate.is_contiguous() and up.is_contiguous():
+        flat = [t.view(1, -1) for t in (dy, gate, up, dg, du)]
+        _launch_bwd(*flat, act)
+    else:
+        n = gate.shape[-1]
+        _launch_bwd(as_rows(dy, n), as_rows(gate, n), as_rows(up, n), dg.view(-1, n), du.view(-1, n), act)
+    return dg, du
+
+
+def glu_packed_fwd(gu: torch.Tensor, act: int) -> torch.Tensor:
+    """y = act(gu[..., :I]) * gu[..., I:], y of shape [..., I]."""
+    _check_packed(gu)
+    i = gu.shape[-1] // 2
+    y = torch.empty((*gu.shape[:-1], i), dtype=gu.dtype, device=gu.device)
+    if y.numel() == 0:
+        return y
+    gu2 = as_rows(gu, 2 * i)  # (rows, 2I); the halves are views with row stride gu2.stride(0)
+    _launch_fwd(gu2[:, :i], gu2[:, i:], y.view(-1, i), act)
+    return y
+
+
+def glu_packed_bwd(dy: torch.Tensor, gu: torch.Tensor, act: int) -> torch.Tensor:
+    """d_gu of gu's shape: d_gate in the first half, d_up in the second."""
+    _check_packed(gu)
+    i = gu.shape[-1] // 2
+    _check_same("dy", dy, torch.Size((*gu.shape[:-1], i)), gu)
+    dgu = torch.empty(gu.shape, dtype=gu.dtype, device=gu.device)
+    if dgu.numel() == 0:
+        return dgu
+    gu2 = as_rows(gu, 2 * i)
+    dgu2 = dgu.view(-1, 2 * i)
+    _launch_bwd(as_rows(dy, i), gu2[:, :i], gu2[:, i:], dgu2[:, :i], dgu2[:, i:], act)
+    return dgu
+
+
+# --------------------------------------------------------------------------------------------
+# 3. torch.library custom ops (so torch.compile graphs keep the kernels with no graph break).
+# The profiler recognizes `kprof::*` ops and costs them with `op_costs` below.
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("kprof::swiglu_fwd", mutates_args=())
+def _swiglu_fwd_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return glu_fwd(gate, up, ACT_SILU)
+
+
+@torch.library.custom_op("kprof::swiglu_bwd", mutates_args=())
+def _swiglu_bwd_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return glu_bwd(dy, gate, up, ACT_SILU)
+
+
+@torch.library.custom_op("kprof::geglu_fwd", mutates_args=())
+def _geglu_fwd_op(gate: torch.Tensor, up: torch.Tensor, approximate: str) -> torch.Tensor:
+    return glu_fwd(gate, up, _approx_act(approximate))
+
+
+@torch.library.custom_op("kprof::geglu_bwd", mutates_args=())
+def _geglu_bwd_op(
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, approximate: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return glu_bwd(dy, gate, up, _approx_act(approximate))
+
+
+@torch.library.custom_op("kprof::swiglu_packed_fwd", mutates_args=())
+def _swiglu_packed_fwd_op(gu: torch.Tensor) -> torch.Tensor:
+    return glu_packed_fwd(gu, ACT_SILU)
+
+
+@torch.library.custom_op("kprof::swiglu_packed_bwd", mutates_args=())
+def _swiglu_packed_bwd_op(dy: torch.Tensor, gu: torch.Tensor) -> torch.Tensor:
+    return glu_packed_bwd(dy, gu, ACT_SILU)
+
+
+@torch.library.custom_op("kprof::geglu_packed_fwd", mutates_args=())
+def _geglu_packed_fwd_op(gu: torch.Tensor, approximate: str) -> torch.Tensor:
+    return glu_packed_fwd(gu, _approx_act(approximate))
+
+
+@torch.library.custom_op("kprof::geglu_packed_bwd", mutates_args=())
+def _geglu_packed_bwd_op(dy: torch.Tensor, gu: torch.Tensor, approximate: str) -> torch.Tensor:
+    return glu_packed_bwd(dy, gu, _approx_act(approximate))
+
+
+# Fakes: outputs are freshly allocated and contiguous, like the launchers'.
+def _fake_pair_fwd(gate, up, *_):
+    return gate.new_empty(gate.shape)
+
+
+def _fake_pair_bwd(dy, gate, up, *_):
+    return gate.new_empty(gate.shape), gate.new_empty(gate.shape)
+
+
+def _fake_packed_fwd(gu, *_):
+    return gu.new_empty((*gu.shape[:-1], gu.shape[-1] // 2))
+
+
+def _fake_packed_bwd(dy, gu, *_):
+    return gu.new_empty(gu.shape)
+
+
+for _op, _fake in (
+    (_swiglu_fwd_op, _fake_pair_fwd),
+    (_geglu_fwd_op, _fake_pair_fwd),
+    (_swiglu_bwd_op, _fake_pair_bwd),
+    (_geglu_bwd_op, _fake_pair_bwd),
+    (_swiglu_packed_fwd_op, _fake_packed_fwd),
+    (_geglu_packed_fwd_op, _fake_packed_fwd),
+    (_swiglu_packed_bwd_op, _fake_packed_bwd),
+    (_geglu_packed_bwd_op, _fake_packed_bwd),
+):
+    _op.register_fake(_fake)
+
+
+# --------------------------------------------------------------------------------------------
+# 4. autograd.Functions
+# --------------------------------------------------------------------------------------------
+
+
+class _SwiGLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return _swiglu_fwd_op(gate, up)
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        return _swiglu_bwd_op(dy, gate, up)
+
+
+class _GeGLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, approximate):
+        ctx.save_for_backward(gate, up)
+        ctx.approximate = approximate
+        return _geglu_fwd_op(gate, up, approximate)
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        dg, du = _geglu_bwd_op(dy, gate, up, ctx.approximate)
+        return dg, du, None
+
+
+class _SwiGLUPackedFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gu):
+        ctx.save_for_backward(gu)
+        return _swiglu_packed_fwd_op(gu)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (gu,) = ctx.saved_tensors
+        return _swiglu_packed_bwd_op(dy, gu)
+
+
+class _GeGLUPackedFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gu, approximate):
+        ctx.save_for_backward(gu)
+        ctx.approximate = approximate
+        return _geglu_packed_fwd_op(gu, approximate)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (gu,) = ctx.saved_tensors
+        return _geglu_packed_bwd_op(dy, gu, ctx.approximate), None
+
+
+# --------------------------------------------------------------------------------------------
+# 5. Public functions
+# --------------------------------------------------------------------------------------------
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`F.silu(gate) * up`, fused; differentiable in gate and up.
+
+    gate, up: same shape [..., I], same dtype (float32, float16, bfloat16), same device; any
+    strides. Returns a contiguous tensor of that shape and dtype. Matches HF LlamaMLP's
+    `act_fn(gate_proj(x)) * up_proj(x)` with act_fn = SiLU: computed in fp32 and rounded once
+    (eager bf16 rounds twice, so results differ from eager by at most about one bf16 ulp).
+    Backward recomputes silu(gate) and returns (d_gate, d_up).
+    """
+    _check_pair(gate, up)
+    if use_triton(gate):
+        return _SwiGLUFunction.apply(gate, up)
+    warn_fallback("glu", f"no Triton backend for {gate.device.type} tensors")
+    return swiglu_reference(gate, up)
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """`F.gelu(gate, approximate=approximate) * up`, fused; differentiable in gate and up.
+
+    approximate: "tanh" (default: Gemma's gelu_pytorch_tanh, GPT-2's gelu_new) or "none" (erf).
+    Shapes, dtypes and numerics as `swiglu`.
+    """
+    _check_pair(gate, up)
+    _approx_act(approximate)
+    if use_triton(gate):
+        return _GeGLUFunction.apply(gate, up, approximate)
+    warn_fallback("glu", f"no Triton backend for {gate.device.type} tensors")
+    return geglu_reference(gate, up, approximate)
+
+
+def swiglu_packed(gu: torch.Tensor) -> torch.Tensor:
+    """`F.silu(gate) * up` with gate, up = gu.chunk(2, dim=-1): GATE FIRST, UP SECOND.
+
+    gu: [..., 2*I] (last dim even), float32/float16/bfloat16, any strides. Returns [..., I].
+    The backward returns one d_gu in the same [d_gate | d_up] layout, so a fused gate_up
+    projection (Phi-3's gate_up_proj) gets its gradient without a cat.
+    """
+    _check_packed(gu)
+    if use_triton(gu):
+        return _SwiGLUPackedFunction.apply(gu)
+    warn_fallback("glu", f"no Triton backend for {gu.device.type} tensors")
+    return swiglu_packed_reference(gu)
+
+
+def geglu_packed(gu: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """`F.gelu(gate, approximate=approximate) * up` with gate, up = gu.chunk(2, dim=-1)
+    (gate first). As `swiglu_packed`, with `approximate` as in `geglu`."""
+    _check_packed(gu)
+    _approx_act(approximate)
+    if use_triton(gu):
+        return _GeGLUPackedFunction.apply(gu, approximate)
+    warn_fallback("glu", f"no Triton backend for {gu.device.type} tensors")
+    return geglu_packed_reference(gu, approximate)
+
+
+# --------------------------------------------------------------------------------------------
+# 6. References: the eager formulation, in the input dtype (what users run today).
+# Tests call them on inputs upcast to fp32/fp64 for a high-precision reference.
+# --------------------------------------------------------------------------------------------
+
+
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def geglu_reference(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    return F.gelu(gate, approximate=approximate) * up
+
+
+def swiglu_packed_reference(gu: torch.Tensor) -> torch.Tensor:
+    gate, up = gu.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def geglu_packed_reference(gu: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    gate, up = gu.chunk(2, dim=-1)
+    return F.gelu(gate, approximate=approximate) * up
+
+
+# --------------------------------------------------------------------------------------------
+# 7. Registry: cost models (bytes: each input read once, each output written once).
+# FLOPs per element counted from the kernels' fp32 ops, one per add/mul/div/compare and one
+# per transcendental (exp, erf):
+#   silu fwd: sigmoid (neg, exp, add, div = 4) + g*s + *up = 6
+#   gelu tanh fwd: g^3 (2) + fma-shaped poly (2) + scale (1) + sigmoid (4) + g*s + *up = 11
+#   gelu erf fwd: scale, erf, +1, *0.5, *g, *up = 6
+#   backward: the forward's activation plus its derivative and the two products:
+#   silu 6 + (1-s, g*s, *(1-s), +s, dy*u, *da, dy*a) 7 = 13; gelu tanh 11 + 3 (du) + 7 = 21;
+#   gelu erf 6 + (g*g, *-0.5, exp, *c, *g, +cdf) 6 + (dy*u, *da, dy*a) 3 = 15.
+# --------------------------------------------------------------------------------------------
+
+_FLOPS_PER_ELEM = {  # (fwd, bwd)
+    ACT_SILU: (6, 13),
+    ACT_GELU_TANH: (11, 21),
+    ACT_GELU_ERF: (6, 15),
+}
+
+
+def _glu_cost(n_elems: int, dtype: torch.dtype, act: int) -> dict[str, Cost]:
+    """n_elems = elements of gate (= of up = of y)."""
+    b = dtype.itemsize
+    f_fwd, f_bwd = _FLOPS_PER_ELEM[act]
+    return {
+        "fwd": Cost(flops=f_fwd * n_elems, bytes=3 * b * n_elems),  # read gate, up; write y
+        "bwd": Cost(flops=f_bwd * n_elems, bytes=5 * b * n_elems),  # read dy, gate, up; write dg, du
+    }
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _make_spec(name: str, act: int, packed: bool) -> KernelSpec:
+    def cost(n_rows: int, n_cols: int, dtype: torch.dtype = torch.bfloat16, approximate: str = "tanh") -> dict[str, Cost]:
+        """n_rows x n_cols = shape of gate (= of up = of the output; I = n_cols)."""
+        a = act if name.startswith("swiglu") else _approx_act(approximate)
+        return _glu_cost(n_rows * n_cols, dtype, a)
+
+    def elems(meta: TensorMeta) -> int:  # gate-sized elements from the op's first tensor input
+        return _numel(meta.shape) // (2 if packed else 1)
+
+    fwd_op, bwd_op = f"kprof::{name}_fwd", f"kprof::{name}_bwd"
+    # Per-op costs see only tensor metas, not `approximate`: geglu ops are costed as tanh (the
+    # default and the larger FLOP count); bytes are exact either way.
+    op_act = act
+    op_costs = {
+        fwd_op: lambda metas: _glu_cost(elems(metas[0]), metas[0].dtype, op_act)["fwd"],
+        # bwd inputs: (dy, gate, up) or (dy, gu); dy is gate-sized in both layouts
+        bwd_op: lambda metas: _glu_cost(_numel(metas[0].shape), metas[0].dtype, op_act)["bwd"],
+    }
+    fns = {
+        "swiglu": (swiglu, swiglu_reference, "F.silu(gate) * up (HF LlamaMLP act_fn(gate_proj(x)) * up_proj(x))"),
+        "geglu": (geglu, geglu_reference, "F.gelu(gate, approximate) * up (HF GemmaMLP)"),
+        "swiglu_packed": (swiglu_packed, swiglu_packed_reference, "g, u = gu.chunk(2, -1); F.silu(g) * u"),
+        "geglu_packed": (geglu_packed, geglu_packed_reference, "g, u = gu.chunk(2, -1); F.gelu(g, approximate) * u"),
+    }
+    fn, ref, replaces = fns[name]
+    return KernelSpec(
+        name=name,
+        replaces=replaces,
+        dtypes=SUPPORTED_DTYPES,
+        limits="any shape and strides (non-unit last-dim strides are copied first); rows of any "
+        "length are split into column blocks",
+        deterministic=True,  # elementwise: no reductions, no atomics
+        fn=fn,
+        module=None,
+        reference=ref,
+        cost=cost,
+        op_costs=op_costs,
+    )
+
+
+SWIGLU_SPEC = register(_make_spec("swiglu", ACT_SILU, packed=False))
+GEGLU_SPEC = register(_make_spec("geglu", ACT_GELU_TANH, packed=False))
+SWIGLU_PACKED_SPEC = register(_make_spec("swiglu_packed", ACT_SILU, packed=True))
+GEGLU_PACKED_SPEC = register(_make_spec("geglu_packed", ACT_GELU_TANH, packed=True))

@@ -1,0 +1,326 @@
+"""SwiGLU / GeGLU kernels vs their references: forward, grads of gate and up (or of the packed
+gu), dtypes, odd and non-contiguous shapes, empty tensors, torch.compile, determinism, errors.
+
+The reference runs on inputs upcast to fp32 (fp64 for fp32 inputs) and is cast back; tolerances
+come from the one table in kprof.kernels._common. In CPU mode the kernels run in the Triton
+interpreter, so the big shapes are GPU-only and 37x781 stands in for 1823x781.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kprof.errors import KprofError
+from kprof.kernels import _common, glu, registry
+from kprof.kernels._common import assert_close
+from kprof.kernels.registry import Cost, TensorMeta
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+# tl.sigmoid is 1 / (1 + exp(-x)); for x < -88 exp overflows to inf on purpose (sigmoid -> 0).
+# The interpreter runs it through numpy, which warns; the GPU does not.
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+
+# (id, public fn, reference, packed, extra kwargs)
+FORMS = [
+    ("swiglu", glu.swiglu, glu.swiglu_reference, False, {}),
+    ("geglu_tanh", glu.geglu, glu.geglu_reference, False, {"approximate": "tanh"}),
+    ("geglu_erf", glu.geglu, glu.geglu_reference, False, {"approximate": "none"}),
+    ("swiglu_packed", glu.swiglu_packed, glu.swiglu_packed_reference, True, {}),
+    ("geglu_packed_tanh", glu.geglu_packed, glu.geglu_packed_reference, True, {"approximate": "tanh"}),
+    ("geglu_packed_erf", glu.geglu_packed, glu.geglu_packed_reference, True, {"approximate": "none"}),
+]
+FORM_IDS = [f[0] for f in FORMS]
+
+# Shapes of gate (= up = output); packed forms use gu of [..., 2 * last].
+SHAPES = [
+    (1, 1),
+    (3, 7),
+    (37, 781),  # CPU stand-in for 1823x781
+    (2, 5, 4097),  # 3-D, odd width just past a power of two
+    (1, 65536),  # one wide row: 16 column blocks of 4096
+    (0, 16),  # empty
+    (4, 0),  # empty last dim
+    pytest.param((1823, 781), marks=pytest.mark.gpu),
+    pytest.param((4096, 11008), marks=pytest.mark.gpu),  # Llama-7B MLP width, 4K tokens
+]
+
+
+def _hi(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float32 else torch.float32
+
+
+def _make_inputs(shape, dtype, device, packed, scale=2.0, gen=None):
+    if packed:
+        gu = torch.randn(*shape[:-1], 2 * shape[-1], dtype=torch.float32, device=device, generator=gen)
+        return [(gu * scale).to(dtype)]
+    g = torch.randn(*shape, dtype=torch.float32, device=device, generator=gen) * scale
+    u = torch.randn(*shape, dtype=torch.float32, device=device, generator=gen)
+    return [g.to(dtype), u.to(dtype)]
+
+
+def _run(fn, inputs, dy, **kw):
+    xs = [t.detach().clone().requires_grad_() for t in inputs]
+    y = fn(*xs, **kw)
+    y.backward(dy)
+    return y.detach(), [x.grad for x in xs]
+
+
+def _reference(ref, inputs, dy, **kw):
+    hi = _hi(inputs[0].dtype)
+    xs = [t.detach().to(hi).requires_grad_() for t in inputs]
+    y = ref(*xs, **kw)
+    y.backward(dy.to(hi))
+    return y.detach(), [x.grad for x in xs]
+
+
+def _check(form, inputs, dy):
+    _, fn, ref, _, kw = form
+    y, grads = _run(fn, inputs, dy, **kw)
+    y_ref, grads_ref = _reference(ref, inputs, dy, **kw)
+    assert y.dtype == inputs[0].dtype and y.is_contiguous()
+    assert_close(y, y_ref, msg=f"{form[0]} forward")
+    for i, (g, g_ref) in enumerate(zip(grads, grads_ref)):
+        assert g.shape == inputs[i].shape and g.dtype == inputs[i].dtype
+        assert_close(g, g_ref, msg=f"{form[0]} grad of input {i}")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
+def test_matches_reference(form, dtype, shape, device):
+    torch.manual_seed(0)
+    inputs = _make_inputs(shape, dtype, device, form[3])
+    dy = torch.randn(shape, device=device).to(dtype)
+    _check(form, inputs, dy)
+
+
+def _noncontig_separate(kind, m, n, dtype, device):
+    if kind == "halves":  # gate, up = two halves of one fused projection: row stride 2n
+        g, u = torch.randn(m, 2 * n, device=device).mul(2).to(dtype).chunk(2, dim=-1)
+    elif kind == "transposed":  # unit stride on the wrong dim: the launcher must copy
+        g = torch.randn(n, m, device=device).mul(2).to(dtype).t()
+        u = torch.randn(n, m, device=device).to(dtype).t()
+    elif kind == "row_slice":  # every other row of a 3-D tensor
+        g = torch.randn(2, 2 * m, n, device=device).mul(2).to(dtype)[:, ::2]
+        u = torch.randn(2, 2 * m, n, device=device).to(dtype)[:, ::2]
+    else:  # stride-0 broadcast rows for up
+        g = torch.randn(m, n, device=device).mul(2).to(dtype)
+        u = torch.randn(1, n, device=device).to(dtype).expand(m, n)
+    return [g, u]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["halves", "transposed", "row_slice", "broadcast_up"])
+@pytest.mark.parametrize("form", FORMS[:3], ids=FORM_IDS[:3])
+def test_noncontiguous_separate(form, kind, dtype, device):
+    torch.manual_seed(1)
+    inputs = _noncontig_separate(kind, 13, 300, dtype, device)
+    assert not all(t.is_contiguous() for t in inputs)
+    # dy non-contiguous too (transposed view)
+    dy = torch.randn(inputs[0].shape[::-1], device=device).to(dtype).transpose(0, -1)
+    _check(form, inputs, dy)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["row_padded", "col_strided", "transposed"])
+@pytest.mark.parametrize("form", FORMS[3:], ids=FORM_IDS[3:])
+def test_noncontiguous_packed(form, kind, dtype, device):
+    torch.manual_seed(2)
+    m, i = 11, 129
+    if kind == "row_padded":  # gu is a column slice of a wider buffer: row stride 2i + 6
+        gu = torch.randn(m, 2 * i + 6, device=device).mul(2).to(dtype)[:, : 2 * i]
+    elif kind == "col_strided":
+        gu = torch.randn(m, 4 * i, device=device).mul(2).to(dtype)[:, ::2]
+    else:
+        gu = torch.randn(2 * i, m, device=device).mul(2).to(dtype).t()
+    assert not gu.is_contiguous()
+    dy = torch.randn(m, i, device=device).to(dtype)
+    _check(form, [gu], dy)
+
+
+def test_packed_half_order(device):
+    """Gate is the FIRST half: swiglu_packed(cat([g, u])) == swiglu(g, u), bitwise (same kernel)."""
+    g = torch.randn(6, 40, device=device)
+    u = torch.randn(6, 40, device=device)
+    gu = torch.cat([g, u], dim=-1)
+    torch.testing.assert_close(glu.swiglu_packed(gu), glu.swiglu(g, u), rtol=0, atol=0)
+    torch.testing.assert_close(glu.geglu_packed(gu, "none"), glu.geglu(g, u, "none"), rtol=0, atol=0)
+    # and the swapped order is a different function
+    assert not torch.allclose(glu.swiglu_packed(gu), glu.swiglu(u, g))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("form", FORMS[:3], ids=FORM_IDS[:3])
+def test_extreme_gate_values(form, dtype, device):
+    """Saturated activations: no inf/nan from exp overflow, grads go to 0 / up as they should."""
+    big = 60.0 if dtype == torch.float16 else 1e4
+    g = torch.tensor([-big, -80.0, -30.0, -8.0, -1e-3, 0.0, 1e-3, 8.0, 30.0, 80.0, big], device=device)
+    g = g.clamp(-big, big).to(dtype).reshape(1, -1)
+    u = torch.linspace(-2, 2, g.shape[-1], device=device).to(dtype).reshape(1, -1)
+    dy = torch.ones_like(g)
+    y, grads = _run(form[1], [g, u], dy, **form[4])
+    assert torch.isfinite(y).all() and all(torch.isfinite(t).all() for t in grads)
+    _check(form, [g, u], dy)
+
+
+@pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
+def test_deterministic(form, device):
+    torch.manual_seed(3)
+    shape = (8, 1000)
+    inputs = _make_inputs(shape, torch.bfloat16, device, form[3])
+    dy = torch.randn(shape, device=device).to(torch.bfloat16)
+    y1, g1 = _run(form[1], inputs, dy, **form[4])
+    y2, g2 = _run(form[1], inputs, dy, **form[4])
+    assert torch.equal(y1, y2)
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+@pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
+def test_torch_compile_fullgraph(form, device):
+    """The custom ops keep the kernel in the graph: fullgraph=True fails on any graph break."""
+    torch._dynamo.reset()
+    _, fn, ref, packed, kw = form
+    torch.manual_seed(4)
+    inputs = _make_inputs((3, 64), torch.float32, device, packed)
+
+    def model(*xs):
+        return fn(*[x * 1.5 for x in xs], **kw).sum(dim=-1)
+
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    xs_c = [t.clone().requires_grad_() for t in inputs]
+    xs_e = [t.clone().requires_grad_() for t in inputs]
+    y_c = compiled(*xs_c)
+    y_e = model(*xs_e)
+    torch.testing.assert_close(y_c, y_e, rtol=0, atol=0)  # same kernel, same inputs
+    y_c.sum().backward()
+    y_e.sum().backward()
+    for a, b in zip(xs_c, xs_e):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
+
+def test_custom_ops_opcheck(device):
+    """Fake (meta) kernels agree with the real ones on shapes/strides/dtypes; schemas are sound."""
+    g = torch.randn(4, 24, device=device)
+    u = torch.randn(4, 24, device=device)
+    gu = torch.randn(4, 48, device=device)
+    dy = torch.randn(4, 24, device=device)
+    ops = torch.ops.kprof
+    cases = [
+        (ops.swiglu_fwd.default, (g, u)),
+        (ops.swiglu_bwd.default, (dy, g, u)),
+        (ops.geglu_fwd.default, (g, u, "tanh")),
+        (ops.geglu_bwd.default, (dy, g, u, "none")),
+        (ops.swiglu_packed_fwd.default, (gu,)),
+        (ops.swiglu_packed_bwd.default, (dy, gu)),
+        (ops.geglu_packed_fwd.default, (gu, "none")),
+        (ops.geglu_packed_bwd.default, (dy, gu, "tanh")),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+_PROPERTY_EXAMPLES = 40 if HAS_CUDA else 8
+
+
+@settings(max_examples=_PROPERTY_EXAMPLES, deadline=None)
+@given(
+    lead=st.lists(st.integers(1, 4), min_size=0, max_size=2),
+    width=st.integers(1, 300),
+    dtype=st.sampled_from(DTYPES),
+    form_idx=st.integers(0, len(FORMS) - 1),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_property_random_shapes(lead, width, dtype, form_idx, seed):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    shape = (*lead, width)
+    form = FORMS[form_idx]
+    inputs = _make_inputs(shape, dtype, DEVICE, form[3], scale=4.0, gen=gen)
+    dy = torch.randn(shape, device=DEVICE, generator=gen).to(dtype)
+    _check(form, inputs, dy)
+
+
+# ---------------------------------------------------------------------------------------------
+# errors and dispatch
+# ---------------------------------------------------------------------------------------------
+
+
+def test_errors(device):
+    f = torch.randn(3, 8, device=device)
+    with pytest.raises(KprofError, match="dtype"):
+        glu.swiglu(f.to(torch.int32), f.to(torch.int32))
+    with pytest.raises(KprofError, match="float64"):
+        glu.swiglu(f.double(), f.double())
+    with pytest.raises(KprofError, match="same shape"):
+        glu.swiglu(f, f[:, :4])
+    with pytest.raises(KprofError, match="same dtype"):
+        glu.geglu(f, f.half())
+    with pytest.raises(KprofError, match="approximate"):
+        glu.geglu(f, f, approximate="erf")
+    with pytest.raises(KprofError, match="even"):
+        glu.swiglu_packed(torch.randn(3, 7, device=device))
+    with pytest.raises(KprofError, match="0-d"):
+        glu.swiglu(torch.tensor(1.0), torch.tensor(1.0))
+    with pytest.raises(KprofError, match="dy must have shape"):
+        glu.glu_bwd(f[:, :4], f, f, glu.ACT_SILU)
+
+
+def test_fallback_without_triton_uses_reference(monkeypatch):
+    monkeypatch.setattr(glu, "use_triton", lambda t: False)
+    monkeypatch.setattr(_common, "_warned", set())
+    g, u = torch.randn(3, 8), torch.randn(3, 8)
+    with pytest.warns(UserWarning, match="using the PyTorch reference"):
+        y = glu.swiglu(g, u)
+    torch.testing.assert_close(y, glu.swiglu_reference(g, u), rtol=0, atol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per kernel family
+        glu.geglu_packed(torch.randn(3, 8))
+
+
+# ---------------------------------------------------------------------------------------------
+# registry and cost model
+# ---------------------------------------------------------------------------------------------
+
+
+def test_registered_specs():
+    for name, fn in [("swiglu", glu.swiglu), ("geglu", glu.geglu), ("swiglu_packed", glu.swiglu_packed), ("geglu_packed", glu.geglu_packed)]:
+        spec = registry.get(name)
+        assert spec.fn is fn and spec.deterministic
+        assert set(spec.op_costs) == {f"kprof::{name}_fwd", f"kprof::{name}_bwd"}
+
+
+def test_cost_issue_shape():
+    # gate, up 8192x11008 bf16: fwd reads 2 and writes 1 tensor of 2 bytes/elem, bwd reads 3 and
+    # writes 2 (the issue's floors: 541 MB -> 127 us, 902 MB -> 211 us at 4.27 TB/s).
+    e = 8192 * 11008
+    c = registry.get("swiglu").cost(n_rows=8192, n_cols=11008, dtype=torch.bfloat16)
+    assert c["fwd"].bytes == 3 * 2 * e and c["bwd"].bytes == 5 * 2 * e
+    assert c["fwd"].bytes / 4.27e12 * 1e6 == pytest.approx(127, abs=1)
+    assert (c["fwd"].bytes + c["bwd"].bytes) / 4.27e12 * 1e6 == pytest.approx(338, abs=1)
+    assert c["fwd"].flops == 6 * e
+    # the packed form is the same problem
+    assert registry.get("swiglu_packed").cost(n_rows=8192, n_cols=11008)["fwd"] == c["fwd"]
+    # erf GELU has fewer FLOPs than tanh, same bytes
+    ge = registry.get("geglu").cost(n_rows=8192, n_cols=11008, approximate="none")
+    gt = registry.get("geglu").cost(n_rows=8192, n_cols=11008, approximate="tanh")
+    assert ge["fwd"].bytes == gt["fwd"].bytes and ge["fwd"].flops < gt["fwd"].flops
+
+
+def test_op_costs_from_trace_metas():
+    bf = torch.bfloat16
+    fwd = registry.get("swiglu").cost(n_rows=64, n_cols=128, dtype=bf)
+    assert registry.op_cost("kprof::swiglu_fwd", [TensorMeta((64, 128), bf)] * 2) == fwd["fwd"]
+    assert registry.op_cost("kprof::swiglu_bwd", [TensorMeta((64, 128), bf)] * 3) == fwd["bwd"]
+    assert registry.op_cost("kprof::swiglu_packed_fwd", [TensorMeta((64, 256), bf)]) == fwd["fwd"]
+    assert registry.op_cost("kprof::swiglu_packed_bwd", [TensorMeta((64, 128), bf), TensorMeta((64, 256), bf)]) == fwd["bwd"]
+    g = registry.op_cost("kprof::geglu_packed_fwd", [TensorMeta((2, 32, 256), torch.float32)])
+    assert g == Cost(flops=11 * 2 * 32 * 128, bytes=3 * 4 * 2 * 32 * 128)
