@@ -1,0 +1,489 @@
+"""Fused scaled, masked softmax over the last dim: the hand-written attention pattern in one pass.
+
+Eager code users write today (nanoGPT, hand-rolled attention):
+
+    scores = q @ k.transpose(-2, -1) * scale          # [B, H, L, S]
+    scores = scores.masked_fill(mask == 0, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+
+is three elementwise passes (scale, masked_fill, softmax), each reading and writing the
+[B, H, L, S] scores. `softmax(x, scale=..., mask=..., causal=...)` does it in one read and one
+write; the backward reads y and dy once and writes dx once.
+
+Napkin math (H200, 4.27 TB/s measured copy bandwidth), x = [16384, 8192] bf16 (268 MB):
+    fwd: read x + write y            = 2 * 268 MB = 537 MB -> 126 us floor
+    bwd: read y, dy + write dx       = 3 * 268 MB = 805 MB -> 189 us floor  (fwd+bwd 314 us)
+A boolean mask adds mask.numel() bytes (read once, before broadcasting); `causal` adds nothing.
+
+Regimes (chosen by `SoftmaxConfig.for_cols`, the one place launch parameters are picked):
+- n_cols <= 32768 (`MAX_FUSED_COLS`): the whole row sits in registers (at 32 warps, <= 32 fp32
+  values per thread); several short rows share one program so each program moves ~4K elements.
+- n_cols > 32768: one row per program, looping over the row in 4096-wide blocks: pass 1 keeps
+  a per-lane running max and sum (online softmax), pass 2 re-reads x and writes y. That is one
+  extra read of x (1.5x the bytes), traded for never spilling registers.
+The backward has the same two regimes (pass 1: sum(y * dy); pass 2: dx).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kprof.errors import KprofError
+from kprof.kernels._common import use_triton, warn_fallback
+from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Triton kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _keep(
+    rows, cols, inb, mask_ptr, m_size1, m_size2, m_stride0, m_stride1, m_stride2, m_stride_col,
+    q_len, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """Which in-bounds elements are kept (not masked). rows: [R, 1] int64, cols: [1, C]."""
+    keep = inb
+    if HAS_MASK:
+        # The mask is addressed through its broadcast strides (stride 0 on broadcast dims), with
+        # x's leading dims collapsed to at most three (see `_mask_layout`): row -> (i0, i1, i2).
+        i2 = rows % m_size2
+        t = rows // m_size2
+        i1 = t % m_size1
+        i0 = t // m_size1
+        m_off = i0 * m_stride0 + i1 * m_stride1 + i2 * m_stride2 + cols * m_stride_col
+        m = tl.load(mask_ptr + m_off, mask=inb, other=0)
+        keep = keep & (m != 0)
+    if CAUSAL:
+        # Top-left aligned like torch.tril(ones(L, S)) and SDPA's is_causal: query i keeps keys j <= i.
+        keep = keep & (cols <= rows % q_len)
+    return keep
+
+
+@triton.jit
+def _softmax_fwd_rows_kernel(
+    x_ptr, y_ptr, mask_ptr, n_rows, n_cols, x_row_stride, y_row_stride, scale,
+    m_size1, m_size2, m_stride0, m_stride1, m_stride2, m_stride_col, q_len,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """ROWS whole rows per program, each held in registers: one read of x, one write of y."""
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
+    cols = tl.arange(0, BLOCK_N)[None, :]  # [1, BLOCK_N]
+    inb = (rows < n_rows) & (cols < n_cols)
+    keep = _keep(rows, cols, inb, mask_ptr, m_size1, m_size2, m_stride0, m_stride1, m_stride2,
+                 m_stride_col, q_len, HAS_MASK, CAUSAL)
+    x = tl.load(x_ptr + rows * x_row_stride + cols, mask=inb, other=0.0).to(tl.float32)
+    z = tl.where(keep, x * scale, float("-inf"))
+    m = tl.max(z, axis=1)
+    # A fully masked row has max -inf; shifting by 0 instead makes every exp 0, the sum 0 and the
+    # output 0 (eager gives NaN there).
+    m = tl.where(m == float("-inf"), 0.0, m)
+    p = tl.exp(z - m[:, None])
+    s = tl.sum(p, axis=1)
+    inv = 1.0 / tl.where(s > 0.0, s, 1.0)
+    y = p * inv[:, None]
+    tl.store(y_ptr + rows * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=inb)
+
+
+@triton.jit
+def _softmax_fwd_looped_kernel(
+    x_ptr, y_ptr, mask_ptr, n_rows, n_cols, x_row_stride, y_row_stride, scale,
+    m_size1, m_size2, m_stride0, m_stride1, m_stride2, m_stride_col, q_len,
+    BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """One long row per program: pass 1 online max/sum per lane, pass 2 writes y."""
+    pid = tl.program_id(0)
+    rows = tl.zeros((1, 1), dtype=tl.int64) + pid  # [1, 1]
+    lanes = tl.arange(0, BLOCK_N)[None, :]
+    x_row = x_ptr + rows * x_row_stride
+    m_vec = tl.full((1, BLOCK_N), float("-inf"), tl.float32)
+    s_vec = tl.zeros((1, BLOCK_N), tl.float32)
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + lanes
+        inb = cols < n_cols
+        keep = _keep(rows, cols, inb, mask_ptr, m_size1, m_size2, m_stride0, m_stride1, m_stride2,
+                     m_stride_col, q_len, HAS_MASK, CAUSAL)
+        x = tl.load(x_row + cols, mask=inb, other=0.0).to(tl.float32)
+        z = tl.where(keep, x * scale, float("-inf"))
+        m_new = tl.maximum(m_vec, z)
+        # Lanes that have seen only -inf keep shift 0 so exp(-inf - 0) = 0, never exp(nan).
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s_vec = s_vec * tl.exp(m_vec - shift) + tl.exp(z - shift)
+        m_vec = m_new
+    m = tl.max(m_vec, axis=1)  # [1]
+    m = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(s_vec * tl.exp(m_vec - m[:, None]), axis=1)
+    inv = 1.0 / tl.where(s > 0.0, s, 1.0)
+    y_row = y_ptr + rows * y_row_stride
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + lanes
+        inb = cols < n_cols
+        keep = _keep(rows, cols, inb, mask_ptr, m_size1, m_size2, m_stride0, m_stride1, m_stride2,
+                     m_stride_col, q_len, HAS_MASK, CAUSAL)
+        x = tl.load(x_row + cols, mask=inb, other=0.0).to(tl.float32)
+        z = tl.where(keep, x * scale, float("-inf"))
+        y = tl.exp(z - m[:, None]) * inv[:, None]
+        tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=inb)
+
+
+@triton.jit
+def _softmax_bwd_rows_kernel(
+    y_ptr, dy_ptr, dx_ptr, n_rows, n_cols, y_row_stride, dy_row_stride, dx_row_stride, scale,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dx = scale * y * (dy - sum(dy * y)); masked positions have y = 0, so dx = 0 there."""
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    inb = (rows < n_rows) & (cols < n_cols)
+    y = tl.load(y_ptr + rows * y_row_stride + cols, mask=inb, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + rows * dy_row_stride + cols, mask=inb, other=0.0).to(tl.float32)
+    dot = tl.sum(y * dy, axis=1)
+    dx = y * (dy - dot[:, None]) * scale
+    tl.store(dx_ptr + rows * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=inb)
+
+
+@triton.jit
+def _softmax_bwd_looped_kernel(
+    y_ptr, dy_ptr, dx_ptr, n_rows, n_cols, y_row_stride, dy_row_stride, dx_row_stride, scale,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, BLOCK_N)
+    y_row = y_ptr + pid * y_row_stride
+    dy_row = dy_ptr + pid * dy_row_stride
+    dx_row = dx_ptr + pid * dx_row_stride
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + lanes
+        inb = cols < n_cols
+        y = tl.load(y_row + cols, mask=inb, other=0.0).to(tl.float32)
+        dy = tl.load(dy_row + cols, mask=inb, other=0.0).to(tl.float32)
+        acc += y * dy
+    dot = tl.sum(acc, axis=0)
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + lanes
+        inb = cols < n_cols
+        y = tl.load(y_row + cols, mask=inb, other=0.0).to(tl.float32)
+        dy = tl.load(dy_row + cols, mask=inb, other=0.0).to(tl.float32)
+        dx = y * (dy - dot) * scale
+        tl.store(dx_row + cols, dx.to(dx_ptr.dtype.element_ty), mask=inb)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Host launchers
+# ---------------------------------------------------------------------------------------------
+
+# Rows up to this many elements stay in registers: 32768 fp32 values over 32 warps (1024
+# threads) is 32 registers per thread in the forward, 64 in the backward (y and dy), still
+# spill-free. Longer rows take the looped path.
+MAX_FUSED_COLS = 32768
+# Elements one program handles in the in-register path; short rows are packed up to this.
+TILE_ELEMS = 4096
+# Block width of the looped path: 4096 fp32 over 8 warps = 16 values per thread per array.
+LOOP_BLOCK = 4096
+
+
+@dataclass(frozen=True)
+class SoftmaxConfig:
+    """Launch parameters. First guesses from the register budget above, not yet swept on the
+    H200 (the lead's benchmark run is the place to tune num_warps)."""
+
+    block_n: int
+    rows: int  # rows per program (in-register path); 1 when looped
+    num_warps: int
+    looped: bool
+
+    @staticmethod
+    def for_cols(n_cols: int) -> "SoftmaxConfig":
+        if n_cols > MAX_FUSED_COLS:
+            return SoftmaxConfig(block_n=LOOP_BLOCK, rows=1, num_warps=8, looped=True)
+        block_n = triton.next_power_of_2(max(n_cols, 1))
+        rows = max(1, min(64, TILE_ELEMS // block_n))
+        tile = block_n * rows
+        # ~16 elements (two 16-byte bf16 vectors) per thread at 4K-8K tiles; 32 warps is the max.
+        num_warps = min(32, max(4, tile // 512))
+        return SoftmaxConfig(block_n=block_n, rows=rows, num_warps=num_warps, looped=False)
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., N] -> [M, N] with unit column stride; a view when the layout allows, else a copy."""
+    t2 = t.reshape(-1, t.shape[-1])
+    if t2.shape[-1] > 1 and t2.stride(-1) != 1:
+        t2 = t2.contiguous()
+    return t2
+
+
+def _mask_layout(mask: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """Broadcast `mask` to `shape` without copying and describe it for the kernel.
+
+    Returns (uint8 view, (size1, size2, stride0, stride1, stride2, stride_col)): x's leading dims
+    collapsed to at most three (i0, i1, i2) with the mask's broadcast strides (0 on broadcast dims).
+    Leading dims merge when the mask is contiguous across them or both are broadcast; a mask that
+    still needs more than three is materialized (one copy; only exotic layouts need it).
+    """
+    m = mask.expand(shape)
+    dims = [(size, stride) for size, stride in zip(m.shape[:-1], m.stride()[:-1]) if size != 1]
+    merged: list[tuple[int, int]] = []
+    for size, stride in dims:
+        if merged and merged[-1][1] == stride * size:
+            merged[-1] = (merged[-1][0] * size, stride)
+        else:
+            merged.append((size, stride))
+    if len(merged) > 3:
+        m = m.contiguous()
+        n_rows = m.numel() // shape[-1]
+        merged = [(n_rows, shape[-1])]
+    merged = [(1, 0)] * (3 - len(merged)) + merged
+    (_, s0), (z1, s1), (z2, s2) = merged
+    return m.view(torch.uint8), (z1, z2, s0, s1, s2, m.stride(-1))
+
+
+def _softmax_fwd(x: torch.Tensor, mask: Optional[torch.Tensor], scale: float, causal: bool) -> torch.Tensor:
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return y
+    n_cols = x.shape[-1]
+    x2 = _as_rows(x)
+    y2 = y.view(-1, n_cols)
+    n_rows = x2.shape[0]
+    if mask is not None:
+        mask_u8, (z1, z2, s0, s1, s2, sc) = _mask_layout(mask, x.shape)
+    else:
+        mask_u8, (z1, z2, s0, s1, s2, sc) = x2, (1, 1, 0, 0, 0, 0)  # unused pointer
+    q_len = x.shape[-2] if x.dim() >= 2 else 1
+    cfg = SoftmaxConfig.for_cols(n_cols)
+    common = (x2, y2, mask_u8, n_rows, n_cols, x2.stride(0), y2.stride(0), scale, z1, z2, s0, s1, s2, sc, q_len)
+    if cfg.looped:
+        _softmax_fwd_looped_kernel[(n_rows,)](
+            *common, BLOCK_N=cfg.block_n, HAS_MASK=mask is not None, CAUSAL=causal, num_warps=cfg.num_warps
+        )
+    else:
+        _softmax_fwd_rows_kernel[(triton.cdiv(n_rows, cfg.rows),)](
+            *common, ROWS=cfg.rows, BLOCK_N=cfg.block_n, HAS_MASK=mask is not None, CAUSAL=causal,
+            num_warps=cfg.num_warps,
+        )
+    return y
+
+
+def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, scale: float) -> torch.Tensor:
+    dx = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    if y.numel() == 0:
+        return dx
+    n_cols = y.shape[-1]
+    y2, dy2, dx2 = _as_rows(y), _as_rows(dy), dx.view(-1, n_cols)
+    n_rows = y2.shape[0]
+    cfg = SoftmaxConfig.for_cols(n_cols)
+    common = (y2, dy2, dx2, n_rows, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0), scale)
+    if cfg.looped:
+        _softmax_bwd_looped_kernel[(n_rows,)](*common, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
+    else:
+        _softmax_bwd_rows_kernel[(triton.cdiv(n_rows, cfg.rows),)](
+            *common, ROWS=cfg.rows, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps
+        )
+    return dx
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. torch.library custom ops (so torch.compile sees one opaque op, no graph break)
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("kprof::softmax_fwd", mutates_args=())
+def softmax_fwd_op(x: torch.Tensor, mask: Optional[torch.Tensor], scale: float, causal: bool) -> torch.Tensor:
+    return _softmax_fwd(x, mask, scale, causal)
+
+
+@softmax_fwd_op.register_fake
+def _(x, mask, scale, causal):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("kprof::softmax_bwd", mutates_args=())
+def softmax_bwd_op(y: torch.Tensor, dy: torch.Tensor, scale: float) -> torch.Tensor:
+    return _softmax_bwd(y, dy, scale)
+
+
+@softmax_bwd_op.register_fake
+def _(y, dy, scale):
+    return torch.empty(y.shape, dtype=y.dtype, device=y.device)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. autograd
+# ---------------------------------------------------------------------------------------------
+
+
+class SoftmaxFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mask, scale, causal):
+        y = softmax_fwd_op(x, mask, scale, causal)
+        ctx.save_for_backward(y)
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        return softmax_bwd_op(y, dy, ctx.scale), None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Public function
+# ---------------------------------------------------------------------------------------------
+
+
+def _check(x: torch.Tensor, mask: Optional[torch.Tensor], causal: bool) -> None:
+    if x.dtype not in DTYPES:
+        raise KprofError(f"softmax: x has dtype {x.dtype}; supported: float32, float16, bfloat16 (cast x first)")
+    if x.dim() == 0:
+        raise KprofError("softmax: x is a 0-d tensor; it needs a last dim to normalize over")
+    if causal and x.dim() < 2:
+        raise KprofError(f"softmax: causal=True needs x of at least 2 dims [..., L, S]; got shape {tuple(x.shape)}")
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            raise KprofError(
+                f"softmax: mask has dtype {mask.dtype}; pass a boolean keep-mask (True = keep), "
+                "e.g. `mask != 0`; for an additive float mask add it to x first"
+            )
+        if mask.device != x.device:
+            raise KprofError(f"softmax: mask is on {mask.device} but x is on {x.device}; move them to one device")
+        try:
+            torch.broadcast_shapes(mask.shape, x.shape)
+            mask.expand(x.shape)
+        except RuntimeError:
+            raise KprofError(
+                f"softmax: mask of shape {tuple(mask.shape)} does not broadcast to x of shape {tuple(x.shape)}"
+            ) from None
+
+
+def softmax(
+    x: torch.Tensor, *, scale: float = 1.0, mask: Optional[torch.Tensor] = None, causal: bool = False
+) -> torch.Tensor:
+    """Softmax over the last dim of `x * scale`, with masked positions excluded.
+
+    Computes `torch.softmax((x * scale).masked_fill(~keep, -inf), dim=-1)` in one pass, where
+    keep = `mask` (bool, broadcastable to x, True = keep) and, with `causal=True`, column j of
+    the last dim is dropped when j > i, the index in the second-to-last dim (top-left aligned,
+    like `torch.tril(torch.ones(L, S))` and SDPA's `is_causal`; for S > L the extra keys at the
+    end are masked, not the ones at the start).
+
+    Shapes: x [..., S] (causal: [..., L, S]); output has x's shape and dtype (float32, float16,
+    bfloat16); math in fp32, one rounding on store. Any strides are accepted.
+
+    Differences from eager: a fully masked row (every position masked, or every kept logit -inf)
+    gives zeros here, and NaN in eager; its gradient is zero. `scale` is a Python float (no grad).
+
+    Backward: dx = scale * y * (dy - sum(dy * y)), reading y and dy once.
+    """
+    _check(x, mask, causal)
+    if use_triton(x):
+        return SoftmaxFunction.apply(x, mask, float(scale), bool(causal))
+    warn_fallback("softmax", f"no Triton for tensors on {x.device} (set TRITON_INTERPRET=1 for the interpreter)")
+    return softmax_reference(x, scale=scale, mask=mask, causal=causal)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. nn.Module drop-in
+# ---------------------------------------------------------------------------------------------
+
+
+class Softmax(torch.nn.Module):
+    """`nn.Softmax(dim=-1)` with an optional fixed scale and causal mask; forward(x, mask=None)."""
+
+    def __init__(self, scale: float = 1.0, causal: bool = False):
+        super().__init__()
+        self.scale = scale
+        self.causal = causal
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return softmax(x, scale=self.scale, mask=mask, causal=self.causal)
+
+    def extra_repr(self) -> str:
+        return f"scale={self.scale}, causal={self.causal}"
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Reference
+# ---------------------------------------------------------------------------------------------
+
+
+def softmax_reference(
+    x: torch.Tensor, *, scale: float = 1.0, mask: Optional[torch.Tensor] = None, causal: bool = False
+) -> torch.Tensor:
+    """Pure PyTorch, same semantics as `softmax` (fully masked rows give zeros), math in fp32
+    (fp64 stays fp64), cast back to x's dtype."""
+    z = x.to(torch.promote_types(x.dtype, torch.float32)) * scale
+    keep = torch.ones_like(z, dtype=torch.bool) if mask is None else mask.expand(x.shape)
+    if causal:
+        q_len, k_len = x.shape[-2], x.shape[-1]
+        keep = keep & torch.ones(q_len, k_len, dtype=torch.bool, device=x.device).tril()
+    z = z.masked_fill(~keep, float("-inf"))
+    dead = (z == float("-inf")).all(dim=-1, keepdim=True)
+    # Dead rows get finite logits before the softmax (and zeros after) so neither the forward nor
+    # the backward ever sees NaN.
+    y = torch.softmax(z.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
+    return y.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. Registry
+# ---------------------------------------------------------------------------------------------
+
+# FLOPs per element: fwd scale-mul, max, subtract, exp, sum-add, normalize-mul = 6;
+# bwd dy*y, sum-add, subtract, mul by y, mul by scale = 5. (exp counted as one op.)
+_FWD_FLOPS, _BWD_FLOPS = 6, 5
+
+
+def _cost(n_rows: int, n_cols: int, dtype: torch.dtype = torch.bfloat16, mask_numel: int = 0, **_) -> dict[str, Cost]:
+    n, e = n_rows * n_cols, torch.empty((), dtype=dtype).element_size()
+    return {
+        "fwd": Cost(flops=_FWD_FLOPS * n, bytes=2 * n * e + mask_numel),  # read x (+ mask), write y
+        "bwd": Cost(flops=_BWD_FLOPS * n, bytes=3 * n * e),  # read y, dy; write dx
+    }
+
+
+def _numel(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def _fwd_op_cost(metas: list[TensorMeta]) -> Cost:
+    x = metas[0]
+    mask_numel = _numel(metas[1].shape) if len(metas) > 1 else 0  # mask is None: not in the trace
+    return _cost(_numel(x.shape) // max(x.shape[-1], 1) if x.shape else 1, x.shape[-1] if x.shape else 1,
+                 x.dtype, mask_numel)["fwd"]
+
+
+def _bwd_op_cost(metas: list[TensorMeta]) -> Cost:
+    y = metas[0]
+    return _cost(_numel(y.shape) // max(y.shape[-1], 1) if y.shape else 1, y.shape[-1] if y.shape else 1,
+                 y.dtype)["bwd"]
+
+
+SPEC = register(
+    KernelSpec(
+        name="softmax",
+        replaces="x * scale, masked_fill(~mask, -inf) / causal tril mask, torch.softmax(dim=-1)",
+        dtypes=DTYPES,
+        limits=f"any shape; rows <= {MAX_FUSED_COLS} in registers, longer rows looped (one extra read of x "
+        "and of y, dy); fully masked rows give 0, not NaN",
+        deterministic=True,  # no atomics; fixed reduction order per config
+        fn=softmax,
+        module=Softmax,
+        reference=softmax_reference,
+        cost=_cost,
+        op_costs={"kprof::softmax_fwd": _fwd_op_cost, "kprof::softmax_bwd": _bwd_op_cost},
+    )
+)

@@ -1,0 +1,295 @@
+"""kprof.kernels.softmax against its reference (and against the eager attention pattern).
+
+Shapes cross the kernel's regimes: one tiny row (1x1), many short rows packed per program
+(3x7, 37x781), rows just inside the in-register limit (32768) and just past it (32769, the
+looped online-softmax path), and one 65536-wide row. The 1823x781 case is GPU-only (the
+Triton interpreter would take minutes); 37x781 stands in for it on the CPU.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kprof.errors import KprofError
+from kprof.kernels import registry
+from kprof.kernels._common import assert_close
+from kprof.kernels.softmax import MAX_FUSED_COLS, SPEC, Softmax, softmax, softmax_reference
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # for hypothesis tests (no fixtures there)
+gpu = pytest.mark.gpu
+
+SHAPES = [
+    (1, 1),
+    (3, 7),
+    (37, 781),
+    (2, 5, 4097),
+    (1, MAX_FUSED_COLS),  # widest in-register row
+    (2, MAX_FUSED_COLS + 1),  # narrowest looped row
+    (1, 65536),
+    pytest.param((1823, 781), marks=gpu),
+    pytest.param((64, 8192), marks=gpu),
+    pytest.param((4, 2, 3, 131072), marks=gpu),
+]
+
+
+def _upcast(t: torch.Tensor) -> torch.Tensor:
+    """The reference runs in fp64 for fp32 inputs, fp32 for half inputs."""
+    return t.to(torch.float64 if t.dtype == torch.float32 else torch.float32)
+
+
+def _check(x: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward of the kernel vs the upcast reference; returns (y, dx)."""
+    x = x.detach().requires_grad_()  # keeps x's strides
+    y = softmax(x, **kw)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    xr = _upcast(x.detach()).requires_grad_()
+    yr = softmax_reference(xr, **kw)
+    yr.backward(_upcast(dy))
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert x.grad.shape == x.shape and x.grad.dtype == x.dtype
+    assert_close(y, yr, x.dtype, msg="forward")
+    assert_close(x.grad, xr.grad, x.dtype, msg="backward")
+    return y, x.grad
+
+
+def _randn(shape, dtype, device, gen_scale=3.0):
+    # A spread of 3 makes rows peaky enough that max-subtraction and rounding matter.
+    return (torch.randn(shape, device=device) * gen_scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_reference(shape, dtype, device):
+    torch.manual_seed(0)
+    _check(_randn(shape, dtype, device), scale=0.37)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("view", ["transposed", "strided_cols", "column_slice", "expanded"])
+def test_non_contiguous(view, dtype, device):
+    torch.manual_seed(1)
+    if view == "transposed":
+        x = _randn((781, 37), dtype, device).t()  # [37, 781], column stride 37
+    elif view == "strided_cols":
+        x = _randn((3, 5, 2 * 301), dtype, device)[..., ::2]
+    elif view == "column_slice":
+        x = _randn((9, 1000), dtype, device)[:, 3:784]  # unit column stride, row stride 1000: no copy
+    else:
+        x = _randn((1, 129), dtype, device).expand(4, 129)  # row stride 0
+    assert not x.is_contiguous()
+    _check(x, scale=1.3)
+
+
+@pytest.mark.parametrize("shape", [(0, 7), (3, 0), (2, 0, 5)])
+def test_empty(shape, device):
+    x = torch.randn(shape, device=device, requires_grad=True)
+    y = softmax(x, causal=len(shape) > 1)
+    assert y.shape == x.shape
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+
+
+MASK_SHAPES = [
+    (5, 9),  # [L, S] shared by batch and heads
+    (2, 1, 5, 9),  # per batch, broadcast over heads
+    (2, 1, 1, 9),  # key padding mask
+    (9,),
+    (2, 3, 5, 1),  # whole rows on/off
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mask_shape", MASK_SHAPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_mask_and_causal(mask_shape, causal, dtype, device):
+    torch.manual_seed(2)
+    x = _randn((2, 3, 5, 9), dtype, device)
+    mask = torch.rand(mask_shape, device=device) > 0.3
+    _check(x, scale=0.125, mask=mask, causal=causal)
+
+
+@pytest.mark.parametrize("q_len,k_len", [(7, 7), (4, 11), (11, 4)])
+def test_causal_is_top_left(q_len, k_len, device):
+    """Causal keeps exactly torch.tril(ones(L, S)), SDPA's is_causal alignment."""
+    x = torch.randn(2, q_len, k_len, device=device)
+    y = softmax(x, causal=True)
+    keep = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril()
+    assert torch.all(y[:, ~keep] == 0)
+    assert torch.all(y[:, keep] > 0)
+    expected = torch.softmax(x.double().masked_fill(~keep, float("-inf")), dim=-1)
+    assert_close(y, expected, torch.float32)
+
+
+def test_mask_needing_materialization(device):
+    """A 5-D mask whose broadcast strides do not collapse to three leading dims."""
+    torch.manual_seed(3)
+    x = torch.randn(2, 3, 4, 5, 6, device=device)
+    mask = torch.rand(2, 1, 4, 1, 6, device=device) > 0.4
+    _check(x, mask=mask)
+
+
+def test_mask_non_contiguous(device):
+    torch.manual_seed(4)
+    x = torch.randn(3, 8, 10, device=device)
+    mask = (torch.rand(10, 8, device=device) > 0.5).t()  # [8, 10], transposed storage
+    _check(x, mask=mask, causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_eager_attention_pattern(dtype, device):
+    """The pattern users write: scores * scale, masked_fill(mask == 0, -inf), softmax."""
+    torch.manual_seed(5)
+    scores = _randn((2, 4, 16, 16), dtype, device)
+    mask = (torch.rand(2, 1, 16, 16, device=device) > 0.2).int()
+    mask[..., 0] = 1  # no fully masked row here (see test_fully_masked_rows)
+    y = softmax(scores, scale=0.25, mask=mask != 0)
+    eager = torch.softmax((_upcast(scores) * 0.25).masked_fill(mask == 0, float("-inf")), dim=-1)
+    assert_close(y, eager, dtype)
+
+
+@pytest.mark.parametrize("cols", [9, MAX_FUSED_COLS + 5])  # in-register and looped paths
+def test_fully_masked_rows(cols, device):
+    """Fully masked rows give zeros and zero grads (eager gives NaN); other rows match eager."""
+    torch.manual_seed(6)
+    x = torch.randn(4, cols, device=device, requires_grad=True)
+    mask = torch.rand(4, cols, device=device) > 0.5
+    mask[1] = False
+    y = softmax(x, mask=mask)
+    eager = torch.softmax(x.detach().double().masked_fill(~mask, float("-inf")), dim=-1)
+    assert torch.isnan(eager[1]).all()  # what eager does
+    assert torch.equal(y[1], torch.zeros_like(y[1]))
+    keep_rows = [0, 2, 3]
+    assert_close(y[keep_rows], eager[keep_rows], torch.float32)
+    y.backward(torch.randn_like(y))
+    assert torch.isfinite(x.grad).all()
+    assert torch.equal(x.grad[1], torch.zeros_like(x.grad[1]))
+    # A row whose kept logits are all -inf is fully masked too.
+    x2 = torch.full((2, cols), float("-inf"), device=device)
+    x2[0, 0] = 1.0
+    y2 = softmax(x2)
+    assert y2[0, 0] == 1 and torch.equal(y2[1], torch.zeros_like(y2[1]))
+
+
+def test_fully_masked_everything_causal(device):
+    """Causal with an all-False mask: every row dead, output all zeros, no NaN."""
+    x = torch.randn(2, 3, 3, device=device)
+    y = softmax(x, mask=torch.zeros(3, dtype=torch.bool, device=device), causal=True)
+    assert torch.equal(y, torch.zeros_like(y))
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    cols=st.integers(1, 300),
+    scale=st.floats(0.01, 4.0),
+    keep_p=st.floats(0.0, 1.0),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_property_rows_sum_to_one_and_match(rows, cols, scale, keep_p, causal, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(2, rows, cols, generator=g) * 5).to(DEVICE)
+    mask = (torch.rand(2, 1, cols, generator=g) < keep_p).to(DEVICE)
+    y, _ = _check(x, scale=scale, mask=mask, causal=causal)
+    keep = mask.expand(x.shape)
+    if causal:
+        keep = keep & torch.ones(rows, cols, dtype=torch.bool, device=DEVICE).tril()
+    live = keep.any(-1)
+    sums = y.double().sum(-1)
+    torch.testing.assert_close(sums[live], torch.ones_like(sums[live]), atol=1e-5, rtol=0)
+    assert torch.all(sums[~live] == 0)
+    # Shift invariance: adding a per-row constant changes nothing (up to fp32 rounding).
+    y_shift = softmax(x + 7.5 / scale, scale=scale, mask=mask, causal=causal)
+    assert_close(y_shift, y, torch.float32)
+
+
+@pytest.mark.parametrize("cols", [781, MAX_FUSED_COLS + 5])
+def test_deterministic(cols, device):
+    torch.manual_seed(7)
+    x = torch.randn(3, cols, device=device, dtype=torch.bfloat16, requires_grad=True)
+    mask = torch.rand(cols, device=device) > 0.1
+    dy = torch.randn(3, cols, device=device, dtype=torch.bfloat16)
+    outs = []
+    for _ in range(2):
+        x.grad = None
+        y = softmax(x, scale=0.3, mask=mask)
+        y.backward(dy)
+        outs.append((y.detach().clone(), x.grad.clone()))
+    assert SPEC.deterministic
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_torch_compile_no_graph_break(device):
+    torch.manual_seed(8)
+    x = torch.randn(2, 3, 6, 10, device=device, requires_grad=True)
+    mask = torch.rand(2, 1, 6, 10, device=device) > 0.3
+
+    def attn_probs(scores, m):
+        return softmax(scores, scale=0.5, mask=m, causal=True) * 2.0
+
+    compiled = torch.compile(attn_probs, backend="aot_eager", fullgraph=True)
+    y = compiled(x, mask)
+    y.sum().backward()
+    grad_compiled = x.grad.clone()
+    x.grad = None
+    y_eager = attn_probs(x, mask)
+    y_eager.sum().backward()
+    assert_close(y, y_eager)
+    assert_close(grad_compiled, x.grad)
+
+
+def test_module(device):
+    torch.manual_seed(9)
+    x = torch.randn(2, 4, 4, device=device)
+    m = Softmax(scale=0.5, causal=True)
+    assert "causal=True" in repr(m)
+    assert_close(m(x), softmax_reference(x.double(), scale=0.5, causal=True), torch.float32)
+
+
+def test_fallback_without_triton(monkeypatch):
+    """CPU without the interpreter: warns once and runs the reference."""
+    from kprof.kernels import _common
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(_common, "_warned", set())
+    x = torch.randn(3, 5)
+    with pytest.warns(UserWarning, match="softmax.*reference"):
+        y = softmax(x, scale=2.0, causal=True)
+    assert torch.equal(y, softmax_reference(x, scale=2.0, causal=True))
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda d: dict(x=torch.ones(3, 4, dtype=torch.int32, device=d)), "dtype torch.int32"),
+        (lambda d: dict(x=torch.ones(3, 4, dtype=torch.float64, device=d)), "dtype torch.float64"),
+        (lambda d: dict(x=torch.tensor(1.0, device=d)), "0-d"),
+        (lambda d: dict(x=torch.ones(4, device=d), causal=True), "causal=True needs"),
+        (lambda d: dict(x=torch.ones(3, 4, device=d), mask=torch.ones(3, 4, device=d)), "boolean keep-mask"),
+        (lambda d: dict(x=torch.ones(3, 4, device=d), mask=torch.ones(2, 4, dtype=torch.bool, device=d)),
+         "does not broadcast"),
+        (lambda d: dict(x=torch.ones(3, 4, device=d), mask=torch.ones(5, 3, 4, dtype=torch.bool, device=d)),
+         "does not broadcast"),
+    ],
+)
+def test_bad_input(make, match, device):
+    with pytest.raises(KprofError, match=match):
+        softmax(**make(device))
+
+
+def test_cost_model():
+    c = SPEC.cost(n_rows=16384, n_cols=8192, dtype=torch.bfloat16)
+    n = 16384 * 8192
+    assert c["fwd"].bytes == 2 * n * 2  # read x, write y
+    assert c["bwd"].bytes == 3 * n * 2  # read y, dy, write dx
+    assert c["fwd"].flops == 6 * n and c["bwd"].flops == 5 * n
+    x = registry.TensorMeta((4, 16, 128, 256), torch.float16)
+    mask = registry.TensorMeta((4, 1, 128, 256), torch.bool)
+    fwd = registry.op_cost("kprof::softmax_fwd", [x, mask])
+    assert fwd.bytes == 2 * 4 * 16 * 128 * 256 * 2 + 4 * 128 * 256
+    assert registry.op_cost("kprof::softmax_fwd", [x]).bytes == 2 * 4 * 16 * 128 * 256 * 2
+    assert registry.op_cost("kprof::softmax_bwd", [x, x]).bytes == 3 * 4 * 16 * 128 * 256 * 2
+    assert registry.get("softmax") is SPEC
