@@ -1,0 +1,698 @@
+"""RMSNorm (Llama and Gemma casting) and fused residual-add + RMSNorm, forward and backward.
+
+Replaces the eager HF formulation
+
+    h = x.to(fp32); h = h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * h.to(x.dtype)                      # LlamaRMSNorm  ("llama" casting)
+    y = (h * (1.0 + weight.float())).type_as(x)     # GemmaRMSNorm  ("gemma" casting, offset=1)
+
+which launches ~7 kernels forward and ~10 backward, each a full pass over the activations.
+Here the forward is one kernel and the backward one kernel plus a tiny reduction.
+
+Napkin math, H200 (4.27 TB/s measured copy bandwidth), bf16, x of 16384 x 4096 (128 MiB):
+  forward:  read x, write y                 = 2 x 134.2 MB = 268 MB -> floor  63 us
+  backward: read x, dy; write dx            = 3 x 134.2 MB = 403 MB -> floor  94 us
+            (+ rstd 64 KB, weight 8 KB, the dweight partials 264 x 4096 x 4 B = 4.3 MB twice)
+  fwd+bwd floor 157 us; kprof targets 70 / 200 us (Liger 0.6: 70 / 680 us; torch.compile
+  132 / 739 us, figures from the issue). The backward reaches one pass because dweight is
+  accumulated per program in registers over a contiguous chunk of rows (persistent grid of
+  ~2 programs per SM) and the [n_programs, N] fp32 partials are summed by one small
+  torch reduction afterwards: no atomics, so it is bitwise deterministic on a given device.
+
+Regimes (see `RowConfig`): rows up to MAX_FUSED_N columns are held whole in registers (x is
+read once); wider rows loop over BLOCK_N-column tiles and read x twice per pass (the second
+read mostly hits L2: one row is at most a few hundred KB).
+
+Layers, in order: Triton kernels, launchers, torch.library custom ops, autograd.Functions,
+public functions, the `RMSNorm` module, the PyTorch references, the registry entries.
+"""
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from kprof.errors import KprofError
+from kprof.kernels._common import use_triton, warn_fallback
+from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_CASTINGS = ("llama", "gemma")
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    X, R, W, Y, S, RSTD,
+    stride_x, stride_r, stride_y, stride_s,
+    n_rows, n_cols, eps, offset,
+    HAS_RESIDUAL: tl.constexpr,  # s = x + r (rounded to x's dtype) is normalized and stored
+    GEMMA: tl.constexpr,  # gemma: y = (x_hat * (w + offset)) cast once; llama: cast x_hat first
+    LOOP: tl.constexpr,  # row wider than one block: loop over column tiles
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Forward of BLOCK_M rows per program. Arithmetic in fp32 (the interpreter, and accuracy,
+    need the upcast before any arithmetic); rstd (fp32, one per row) is saved for the backward."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    rows64 = rows.to(tl.int64)  # row * stride overflows int32 past 2^31 elements
+    x_ptr = X + rows64[:, None] * stride_x
+    r_ptr = R + rows64[:, None] * stride_r
+    y_ptr = Y + rows64[:, None] * stride_y
+    s_ptr = S + rows64[:, None] * stride_s
+
+    if not LOOP:
+        cols = tl.arange(0, BLOCK_N)
+        col_mask = cols < n_cols
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(x_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            s = (x + r).to(S.dtype.element_ty)  # HF adds in the activation dtype
+            tl.store(s_ptr + cols[None, :], s, mask=mask)
+            x = s.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        tl.store(RSTD + rows, rstd, mask=row_mask)
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+        x_hat = x * rstd[:, None]
+        if not GEMMA:
+            x_hat = x_hat.to(X.dtype.element_ty).to(tl.float32)
+        tl.store(y_ptr + cols[None, :], (x_hat * w[None, :]).to(Y.dtype.element_ty), mask=mask)
+    else:
+        # Pass 1: sum of squares tile by tile (and the residual sum, stored once).
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = row_mask[:, None] & (cols < n_cols)[None, :]
+            x = tl.load(x_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                r = tl.load(r_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                s = (x + r).to(S.dtype.element_ty)
+                tl.store(s_ptr + cols[None, :], s, mask=mask)
+                x = s.to(tl.float32)
+            acc += x * x
+        rstd = tl.rsqrt(tl.sum(acc, axis=1) / n_cols + eps)
+        tl.store(RSTD + rows, rstd, mask=row_mask)
+        # Pass 2: normalize. The residual sum is recomputed from x and r (same rounding, so
+        # the same value) rather than re-read from S, which would need a barrier between
+        # threads of the program.
+        for start in range(0, n_cols, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_mask = cols < n_cols
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = tl.load(x_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                r = tl.load(r_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = (x + r).to(S.dtype.element_ty).to(tl.float32)
+            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+            x_hat = x * rstd[:, None]
+            if not GEMMA:
+                x_hat = x_hat.to(X.dtype.element_ty).to(tl.float32)
+            tl.store(y_ptr + cols[None, :], (x_hat * w[None, :]).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    DY, X, W, RSTD, DS, DX, DW_PART, C,
+    stride_dy, stride_x, stride_ds, stride_dx,
+    n_rows, n_cols, offset, rows_per_program,
+    HAS_DS: tl.constexpr,  # add the gradient of the residual-sum output (fused add variant)
+    LOOP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Backward over a contiguous chunk of rows per program (persistent grid).
+
+    With x_hat = x * rstd and g = dy * (w + offset) (the same in both casting modes: the cast
+    of x_hat in llama mode has gradient 1, as in autograd):
+        dx = rstd * (g - x_hat * mean(g * x_hat))  [+ ds]
+        dw = sum over rows of dy * x_hat  -> this program's partial row in DW_PART[pid, :]
+    dw uses the fp32 x_hat (HF's autograd uses the x_hat rounded to x's dtype; the fp32 one is
+    the more accurate of the two and agrees with an fp32 reference to one final rounding).
+    """
+    pid = tl.program_id(0)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+
+    if not LOOP:
+        cols = tl.arange(0, BLOCK_N)
+        col_mask = cols < n_cols
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+        dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for row0 in range(row_start, row_end, BLOCK_M):
+            rows = row0 + tl.arange(0, BLOCK_M)
+            row_mask = rows < row_end
+            rows64 = rows.to(tl.int64)
+            mask = row_mask[:, None] & col_mask[None, :]
+            dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+            x_hat = x * rstd[:, None]
+            g = dy * w[None, :]
+            c = tl.sum(g * x_hat, axis=1) / n_cols
+            dx = (g - x_hat * c[:, None]) * rstd[:, None]
+            if HAS_DS:
+                dx += tl.load(DS + rows64[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            dw_acc += dy * x_hat  # masked rows/cols load 0, contribute 0
+        tl.store(DW_PART + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+    else:
+        # Phase A: c = mean(g * x_hat) of every row of the chunk, into the fp32 scratch C.
+        for row0 in range(row_start, row_end, BLOCK_M):
+            rows = row0 + tl.arange(0, BLOCK_M)
+            row_mask = rows < row_end
+            rows64 = rows.to(tl.int64)
+            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                col_mask = cols < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+                acc += dy * w[None, :] * x * rstd[:, None]
+            tl.store(C + rows, tl.sum(acc, axis=1) / n_cols, mask=row_mask)
+        # C was written by other threads of this program: make it visible before reading.
+        tl.debug_barrier()
+        # Phase B: column tile outer, rows inner, so the dw partial of a tile stays in registers.
+        for start in range(0, n_cols, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_mask = cols < n_cols
+            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+            dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for row0 in range(row_start, row_end, BLOCK_M):
+                rows = row0 + tl.arange(0, BLOCK_M)
+                row_mask = rows < row_end
+                rows64 = rows.to(tl.int64)
+                mask = row_mask[:, None] & col_mask[None, :]
+                dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+                c = tl.load(C + rows, mask=row_mask, other=0.0)
+                x_hat = x * rstd[:, None]
+                dx = (dy * w[None, :] - x_hat * c[:, None]) * rstd[:, None]
+                if HAS_DS:
+                    dx += tl.load(DS + rows64[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+                dw_acc += dy * x_hat
+            tl.store(DW_PART + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configuration: the one place where block sizes, warps and grids are chosen
+# --------------------------------------------------------------------------------------------
+
+# Widest row held whole in registers: 16384 fp32 over 16 warps is 32 registers per thread per
+# live row tensor (the backward keeps ~5: x, dy, x_hat, g, the dw accumulator), within the
+# 255-register limit. Llama-3-405B's hidden size is 16384, so every LLM hidden size we know
+# of takes the one-read path. Wider rows loop over LOOP_BLOCK_N-column tiles.
+MAX_FUSED_N = 16384
+LOOP_BLOCK_N = 4096
+# Elements per block: forward ~4096 (one 4096-wide row, 16 elements = two 16-byte bf16
+# vectors per thread at 8 warps); the backward takes ~8192 per iteration (2 rows of 4096) to
+# keep more bytes in flight per program. Untuned starting points: sweep on the H200.
+FWD_BLOCK_ELEMS = 4096
+BWD_BLOCK_ELEMS = 8192
+MAX_BLOCK_M = 64
+# Persistent backward grid: programs per SM. The dw partial buffer is
+# n_programs x N x 4 bytes (264 x 4096 x 4 = 4.3 MB on an H200), written and read once.
+BWD_PROGRAMS_PER_SM = 2
+# The interpreter (CPU CI) has no SMs; 4 programs exercise the cross-program dw reduction.
+INTERPRETER_SM_COUNT = 4
+
+
+def _num_warps(block_elems: int) -> int:
+    # ~16 elements per thread (two 16-byte vectors of bf16), between 4 and 16 warps.
+    return max(4, min(16, block_elems // 512))
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    """Launch parameters of a row-wise kernel (shared by rms_norm and layer_norm)."""
+
+    block_m: int  # rows per block
+    block_n: int  # columns per block: the whole row (a power of 2) unless `loop`
+    num_warps: int
+    loop: bool  # row wider than MAX_FUSED_N: loop over column tiles
+
+    @staticmethod
+    def _for(n_cols: int, block_elems: int) -> "RowConfig":
+        if n_cols > MAX_FUSED_N:
+            return RowConfig(1, LOOP_BLOCK_N, _num_warps(LOOP_BLOCK_N), True)
+        block_n = triton.next_power_of_2(max(n_cols, 1))
+        block_m = max(1, min(MAX_BLOCK_M, block_elems // block_n))
+        return RowConfig(block_m, block_n, _num_warps(block_m * block_n), False)
+
+    @staticmethod
+    def forward(n_cols: int) -> "RowConfig":
+        return RowConfig._for(n_cols, FWD_BLOCK_ELEMS)
+
+    @staticmethod
+    def backward(n_cols: int) -> "RowConfig":
+        return RowConfig._for(n_cols, BWD_BLOCK_ELEMS)
+
+
+@lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERPRETER_SM_COUNT
+
+
+def backward_grid(n_rows: int, cfg: RowConfig, device: torch.device) -> tuple[int, int]:
+    """(n_programs, rows_per_program) of the persistent backward; rows_per_program is a
+    multiple of block_m so blocks never straddle two programs."""
+    n_blocks = triton.cdiv(n_rows, cfg.block_m)
+    n_programs = max(1, min(n_blocks, _sm_count(device) * BWD_PROGRAMS_PER_SM))
+    return n_programs, triton.cdiv(n_blocks, n_programs) * cfg.block_m
+
+
+# --------------------------------------------------------------------------------------------
+# Checks and host launchers
+# --------------------------------------------------------------------------------------------
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, casting: str, residual: Optional[torch.Tensor] = None) -> None:
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise KprofError("rms_norm: x and weight must be tensors")
+    if x.dim() == 0:
+        raise KprofError("rms_norm: x must have at least one dimension (the normalized last dim); got a scalar")
+    if x.dtype not in _DTYPES or weight.dtype not in _DTYPES:
+        raise KprofError(
+            f"rms_norm: supports float32/float16/bfloat16, got x {x.dtype} and weight {weight.dtype}; "
+            "cast the inputs first"
+        )
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise KprofError(
+            f"rms_norm: weight must have shape ({x.shape[-1]},) to match x's last dim; got {tuple(weight.shape)}"
+        )
+    if weight.device != x.device:
+        raise KprofError(f"rms_norm: x is on {x.device} but weight is on {weight.device}; move them together")
+    if casting not in _CASTINGS:
+        raise KprofError(f"rms_norm: casting must be one of {_CASTINGS}, got {casting!r}")
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+            raise KprofError(
+                "rms_norm_add: residual must match x in shape, dtype and device; got x "
+                f"{tuple(x.shape)} {x.dtype} {x.device}, residual {tuple(residual.shape)} {residual.dtype} "
+                f"{residual.device}"
+            )
+
+
+def _out_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype, casting: str) -> torch.dtype:
+    # llama: `weight * h.to(x.dtype)` promotes; gemma: `.type_as(x)`.
+    return torch.promote_types(x_dtype, w_dtype) if casting == "llama" else x_dtype
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """(..., N) -> (M, N) with unit column stride (copies only if it has to)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _require_triton(t: torch.Tensor, op: str) -> None:
+    if not use_triton(t):
+        raise KprofError(
+            f"{op}: Triton needs a CUDA tensor (or TRITON_INTERPRET=1 for CPU tensors); got a tensor on {t.device}. "
+            "Call the public function instead, which falls back to the PyTorch reference."
+        )
+
+
+def _launch_fwd(x, residual, weight, eps, offset, casting):
+    _require_triton(x, "rms_norm")
+    n_cols = x.shape[-1]
+    y = torch.empty(x.shape, dtype=_out_dtype(x.dtype, weight.dtype, casting), device=x.device)
+    s = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return y, s, rstd.fill_(math.nan)  # mean of an empty row is undefined, as in torch
+    x2 = _rows(x)
+    r2 = _rows(residual) if residual is not None else x2
+    y2 = y.view(-1, n_cols)
+    s2 = s.view(-1, n_cols) if s is not None else y2
+    n_rows = x2.shape[0]
+    cfg = RowConfig.forward(n_cols)
+    _rms_norm_fwd_kernel[(triton.cdiv(n_rows, cfg.block_m),)](
+        x2, r2, weight.contiguous(), y2, s2, rstd,
+        x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0),
+        n_rows, n_cols, eps, offset,
+        HAS_RESIDUAL=residual is not None, GEMMA=casting == "gemma", LOOP=cfg.loop,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+    )
+    return y, s, rstd
+
+
+def _launch_bwd(dy, x, weight, rstd, ds, offset):
+    _require_triton(x, "rms_norm backward")
+    n_cols = x.shape[-1]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return dx, torch.zeros_like(weight)
+    dy2, x2 = _rows(dy), _rows(x)
+    ds2 = _rows(ds) if ds is not None else dy2
+    dx2 = dx.view(-1, n_cols)
+    n_rows = x2.shape[0]
+    cfg = RowConfig.backward(n_cols)
+    n_programs, rows_per_program = backward_grid(n_rows, cfg, x.device)
+    dw_part = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
+    # Per-row scratch for the looped path only (c = mean(g * x_hat)); a dummy otherwise.
+    c = torch.empty(n_rows if cfg.loop else 1, dtype=torch.float32, device=x.device)
+    _rms_norm_bwd_kernel[(n_programs,)](
+        dy2, x2, weight.contiguous(), rstd.reshape(-1), ds2, dx2, dw_part, c,
+        dy2.stride(0), x2.stride(0), ds2.stride(0), dx2.stride(0),
+        n_rows, n_cols, offset, rows_per_program,
+        HAS_DS=ds is not None, LOOP=cfg.loop,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+    )
+    # Second stage of the dw reduction: n_programs x N fp32, a fixed order, so deterministic.
+    return dx, dw_part.sum(0).to(weight.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# torch.library custom ops (so torch.compile sees one opaque op, no graph break)
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("kprof::rms_norm_fwd", mutates_args=())
+def _rms_norm_fwd_op(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    y, _, rstd = _launch_fwd(x, None, weight, eps, offset, casting)
+    return y, rstd
+
+
+@_rms_norm_fwd_op.register_fake
+def _(x, weight, eps, offset, casting):
+    y = x.new_empty(x.shape, dtype=_out_dtype(x.dtype, weight.dtype, casting))
+    return y, x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("kprof::rms_norm_add_fwd", mutates_args=())
+def _rms_norm_add_fwd_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, s, rstd = _launch_fwd(x, residual, weight, eps, offset, casting)
+    return y, s, rstd
+
+
+@_rms_norm_add_fwd_op.register_fake
+def _(x, residual, weight, eps, offset, casting):
+    y = x.new_empty(x.shape, dtype=_out_dtype(x.dtype, weight.dtype, casting))
+    return y, x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("kprof::rms_norm_bwd", mutates_args=())
+def _rms_norm_bwd_op(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, ds: Optional[torch.Tensor], offset: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_bwd(dy, x, weight, rstd, ds, offset)
+
+
+@_rms_norm_bwd_op.register_fake
+def _(dy, x, weight, rstd, ds, offset):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# autograd
+# --------------------------------------------------------------------------------------------
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, casting):
+        y, rstd = torch.ops.kprof.rms_norm_fwd(x, weight, eps, offset, casting)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.offset = offset
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = torch.ops.kprof.rms_norm_bwd(dy, x, weight, rstd, None, ctx.offset)
+        return (
+            dx if ctx.needs_input_grad[0] else None,
+            dw if ctx.needs_input_grad[1] else None,
+            None, None, None,
+        )
+
+
+class _RMSNormAddFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, offset, casting):
+        y, s, rstd = torch.ops.kprof.rms_norm_add_fwd(x, residual, weight, eps, offset, casting)
+        ctx.save_for_backward(s, weight, rstd)
+        ctx.offset = offset
+        return y, s
+
+    @staticmethod
+    def backward(ctx, dy, ds):
+        s, weight, rstd = ctx.saved_tensors
+        # d(x + residual) / dx = d(x + residual) / dresidual = 1: one gradient serves both.
+        dx, dw = torch.ops.kprof.rms_norm_bwd(dy, s, weight, rstd, ds, ctx.offset)
+        return (
+            dx if ctx.needs_input_grad[0] else None,
+            dx if ctx.needs_input_grad[1] else None,
+            dw if ctx.needs_input_grad[2] else None,
+            None, None, None,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions and module
+# --------------------------------------------------------------------------------------------
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0, casting: str = "llama"
+) -> torch.Tensor:
+    """RMSNorm over the last dim of `x` (..., N) with a weight of shape (N,).
+
+    casting="llama" matches transformers' LlamaRMSNorm exactly: x̂ = x * rsqrt(mean(x²) + eps)
+    computed in fp32, cast to x's dtype, then multiplied by (weight + offset); the result's
+    dtype is promote(x.dtype, weight.dtype) (fp32 if HF keeps an fp32 weight under bf16).
+    casting="gemma" (use offset=1.0) matches GemmaRMSNorm: everything in fp32,
+    (x̂ * (offset + weight)) cast once to x's dtype.
+    dtypes: float32, float16, bfloat16 for x and weight, in any combination. Differentiable in
+    x and weight; any leading shape and strides; rows of any width (see RowConfig).
+    """
+    _check(x, weight, casting)
+    if use_triton(x):
+        return _RMSNormFunction.apply(x, weight, float(eps), float(offset), casting)
+    warn_fallback("rms_norm", f"no Triton for tensors on {x.device}")
+    return rms_norm_reference(x, weight, eps, offset=offset, casting=casting)
+
+
+def rms_norm_add(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    offset: float = 0.0,
+    casting: str = "llama",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused residual add + RMSNorm: returns (rms_norm(x + residual), x + residual).
+
+    The sum is computed in fp32 and rounded to x's dtype (as HF's `residual + hidden_states`
+    in the activation dtype), and the rounded sum is what gets normalized and returned.
+    x and residual must share shape and dtype. Other arguments as `rms_norm`.
+    """
+    _check(x, weight, casting, residual)
+    if use_triton(x):
+        return _RMSNormAddFunction.apply(x, residual, weight, float(eps), float(offset), casting)
+    warn_fallback("rms_norm_add", f"no Triton for tensors on {x.device}")
+    return rms_norm_add_reference(x, residual, weight, eps, offset=offset, casting=casting)
+
+
+class RMSNorm(nn.Module):
+    """Drop-in for transformers' LlamaRMSNorm (casting="llama", offset=0) and GemmaRMSNorm
+    (casting="gemma", offset=1.0): a `weight` Parameter of shape (hidden_size,), so state
+    dicts load unchanged. The weight starts at 1 - offset (ones for Llama, zeros for Gemma),
+    so a fresh module is the identity scale in both modes."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        *,
+        offset: float = 0.0,
+        casting: str = "llama",
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        if casting not in _CASTINGS:
+            raise KprofError(f"RMSNorm: casting must be one of {_CASTINGS}, got {casting!r}")
+        self.weight = nn.Parameter(torch.full((hidden_size,), 1.0 - offset, device=device, dtype=dtype))
+        self.eps = eps
+        self.offset = offset
+        self.casting = casting
+
+    # HF's Llama-family modules call it variance_epsilon; keep code that reads it working.
+    @property
+    def variance_epsilon(self) -> float:
+        return self.eps
+
+    @variance_epsilon.setter
+    def variance_epsilon(self, value: float) -> None:
+        self.eps = value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, offset=self.offset, casting=self.casting)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, offset={self.offset}, casting={self.casting!r}"
+
+
+# --------------------------------------------------------------------------------------------
+# PyTorch references (used by the CPU fallback, by `kprof apply` to verify, and by the tests)
+# --------------------------------------------------------------------------------------------
+
+
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0, casting: str = "llama"
+) -> torch.Tensor:
+    """HF's LlamaRMSNorm / GemmaRMSNorm in plain PyTorch. Computes in fp32, or in fp64 for
+    fp64 inputs (so tests can use it as a higher-precision oracle)."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    h = x.to(acc)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if casting == "gemma":
+        return (h * (offset + weight.to(acc))).to(x.dtype)
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    if offset == 0.0:
+        return weight * h.to(x.dtype)  # literally HF's LlamaRMSNorm
+    return ((offset + weight.to(acc)) * h.to(x.dtype).to(acc)).to(out_dtype)
+
+
+def rms_norm_add_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    offset: float = 0.0,
+    casting: str = "llama",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`s = x + residual` in x's dtype, then `rms_norm_reference(s, ...)`; returns (y, s)."""
+    s = x + residual
+    return rms_norm_reference(s, weight, eps, offset=offset, casting=casting), s
+
+
+# --------------------------------------------------------------------------------------------
+# Cost model and registry
+# --------------------------------------------------------------------------------------------
+
+# FLOPs per element, counted from the kernels above:
+#   forward:  x*x, +sum, *rstd, *w                                                    = 4
+#   backward: x_hat = x*rstd, g = dy*w, g*x_hat and +sum, dx = (g - x_hat*c)*rstd (3),
+#             dw += dy*x_hat (2)                                                       = 9
+#   the residual add (forward) and the + ds (backward) of the fused variant: 1 each.
+_FWD_FLOPS, _BWD_FLOPS = 4, 9
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def rms_norm_cost(
+    n_rows: int,
+    n_cols: int,
+    dtype: torch.dtype,
+    weight_dtype: Optional[torch.dtype] = None,
+    casting: str = "llama",
+    residual: bool = False,
+) -> dict[str, Cost]:
+    """Minimal bytes (each input read once, each output written once) and FLOPs."""
+    wdt = weight_dtype or dtype
+    elems = n_rows * n_cols
+    xs, ws, ys = _size(dtype), _size(wdt), _size(_out_dtype(dtype, wdt, casting))
+    rstd = n_rows * 4
+    fwd_bytes = elems * xs + n_cols * ws + elems * ys + rstd  # x, w -> y, rstd
+    bwd_bytes = elems * ys + elems * xs + n_cols * ws + rstd + elems * xs + n_cols * ws  # dy, x, w, rstd -> dx, dw
+    fwd_flops, bwd_flops = _FWD_FLOPS * elems, _BWD_FLOPS * elems
+    if residual:
+        fwd_bytes += 2 * elems * xs  # read residual, write the sum
+        bwd_bytes += elems * xs  # read d(sum); d(residual) is the same tensor as dx
+        fwd_flops += elems
+        bwd_flops += elems
+    return {"fwd": Cost(fwd_flops, fwd_bytes), "bwd": Cost(bwd_flops, bwd_bytes)}
+
+
+def _rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
+    return math.prod(shape[:-1]), (shape[-1] if shape else 1)
+
+
+def _fwd_op_cost(metas: list[TensorMeta]) -> Cost:
+    # (x, weight). The casting is not a tensor argument, so the output dtype is assumed to be
+    # llama's promote(x, weight); it differs from gemma's only when x and weight dtypes differ.
+    x, w = metas[0], metas[1]
+    return rms_norm_cost(*_rows_cols(x.shape), x.dtype, w.dtype)["fwd"]
+
+
+def _add_fwd_op_cost(metas: list[TensorMeta]) -> Cost:
+    x, w = metas[0], metas[2]  # (x, residual, weight)
+    return rms_norm_cost(*_rows_cols(x.shape), x.dtype, w.dtype, residual=True)["fwd"]
+
+
+def _bwd_op_cost(metas: list[TensorMeta]) -> Cost:
+    # (dy, x, weight, rstd[, ds]); a None ds may be absent or recorded with another shape.
+    dy, x, w = metas[0], metas[1], metas[2]
+    n_rows, n_cols = _rows_cols(x.shape)
+    has_ds = any(m is not None and tuple(m.shape) == tuple(x.shape) for m in metas[4:5])
+    elems = n_rows * n_cols
+    nbytes = elems * (_size(dy.dtype) + 2 * _size(x.dtype)) + 2 * n_cols * _size(w.dtype) + n_rows * 4
+    flops = _BWD_FLOPS * elems
+    if has_ds:
+        nbytes += elems * _size(x.dtype)
+        flops += elems
+    return Cost(flops, nbytes)
+
+
+_LIMITS = (
+    f"last dim of any width: rows up to {MAX_FUSED_N} are held in registers (x read once); wider rows "
+    f"loop over {LOOP_BLOCK_N}-column tiles (x read twice per pass, the second mostly from L2)"
+)
+
+register(
+    KernelSpec(
+        name="rms_norm",
+        replaces="HF LlamaRMSNorm / GemmaRMSNorm: pow, mean, add, rsqrt, mul, cast, mul (~7 kernels fwd, ~10 bwd)",
+        dtypes=_DTYPES,
+        limits=_LIMITS,
+        deterministic=True,  # no atomics; dw partials reduced in a fixed order
+        fn=rms_norm,
+        module=RMSNorm,
+        reference=rms_norm_reference,
+        cost=rms_norm_cost,
+        op_costs={"kprof::rms_norm_fwd": _fwd_op_cost, "kprof::rms_norm_bwd": _bwd_op_cost},
+    )
+)
+
+register(
+    KernelSpec(
+        name="rms_norm_add",
+        replaces="residual add followed by RMSNorm (HF decoder layer: `h = residual + h; h = norm(h)`)",
+        dtypes=_DTYPES,
+        limits=_LIMITS + "; x and residual must share shape and dtype",
+        deterministic=True,
+        fn=rms_norm_add,
+        module=None,
+        reference=rms_norm_add_reference,
+        cost=lambda **problem: rms_norm_cost(**{**problem, "residual": True}),
+        op_costs={"kprof::rms_norm_add_fwd": _add_fwd_op_cost},
+    )
+)
