@@ -144,19 +144,22 @@ def runs(
     if not paths:
         console.print(f"no runs in {out}; profile a script first: kprof profile SCRIPT")
         return
-    rows = []
+    rows, problems = [], []
     for p in paths:
         try:
             s = store.load_summary(p)
         except KprofError as e:  # one broken run must not hide the others
-            rows.append(dict(run=p.name, status=f"[red]unreadable[/red]: {e}", device="", step="",
+            rows.append(dict(run=p.name, status="[red]unreadable[/red]", device="", step="",
                              **{"ms/step": "", "steps": ""}))
+            problems.append(str(e))
             continue
         st = s.get("step_time_ms") or {}
         rows.append(dict(run=p.name, status=s.get("status", "?"), device=(s.get("device") or {}).get("name", "?"),
                          step=s.get("step_definition") or "?", **{"ms/step": report.fmt_ms(st.get("median")),
                                                                    "steps": str(s.get("steps_recorded", "?"))}))
     report.render_runs(rows, console)
+    for msg in problems:
+        console.print(Text(msg, style="red"))
 
 
 @app.command("report")

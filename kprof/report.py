@@ -196,13 +196,11 @@ def _module_label(path: str) -> str:
     return "(root)" if path == "" else path
 
 
-def syncs_table(summary: dict) -> Table | Text:
+def syncs_table(summary: dict) -> Table | Text | Group:
     syncs = summary.get("syncs") or []
     if not syncs:
         return Text("Host syncs: none seen in the recorded steps.", style="green")
-    cpu = _is_cpu(summary)
-    title = "Host syncs in the recorded steps" + (" (CPU run: these would sync on a GPU)" if cpu else "")
-    t = Table(title=title, title_justify="left")
+    t = Table(title="Host syncs in the recorded steps", title_justify="left")
     t.add_column("where", overflow="fold")
     t.add_column("kind")
     t.add_column("count", justify="right")
@@ -212,6 +210,9 @@ def syncs_table(summary: dict) -> Table | Text:
         if s.get("function"):
             where += f" ({s['function']})"
         t.add_row(where, str(s.get("kind", "?")), str(s.get("count", "")), str(s.get("code", "")).strip())
+    if _is_cpu(summary):
+        return Group(t, Text("CPU run: nothing waits here, but each of these would sync the host with "
+                             "the GPU (the CPU stalls until the device catches up).", style="yellow"))
     return t
 
 
