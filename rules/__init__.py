@@ -1,1 +1,28 @@
-"""kprof's pattern -> fix rules (shipped as `kprof.rules`)."""
+"""kprof's pattern -> fix rules (shipped as `kprof.rules`).
+
+`RULES` is the built-in list; its order is precedence (an object overridden by an earlier rule's
+match is left alone by later ones). Norms come first (leaf modules), then the MLP patterns, then
+attention, RoPE and the top-level loss. A user's rules (`--rules DIR`, see
+examples/custom_rules/) go before the built-ins, so they win.
+"""
+
+from kprof.rules import attention, gated_mlp, layer_norm, linear_cross_entropy, linear_gelu, rms_norm, rope
+from kprof.rules.engine import Match, ProfilePattern, Rule, find_matches, load_rules, select
+
+RULES: list[Rule] = [
+    rms_norm.RULE,
+    layer_norm.RULE,
+    gated_mlp.RULE,
+    linear_gelu.RULE,
+    attention.RULE,
+    rope.RULE,
+    linear_cross_entropy.RULE,
+]
+
+
+def all_rules(rules_dir=None) -> list[Rule]:
+    """User rules from `rules_dir` (if any), then the built-ins."""
+    return (load_rules(rules_dir) if rules_dir else []) + RULES
+
+
+__all__ = ["RULES", "Match", "ProfilePattern", "Rule", "all_rules", "find_matches", "load_rules", "select"]

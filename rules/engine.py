@@ -1,0 +1,300 @@
+"""The rule engine: rules are data, matched over a live model (structure, then a behaviour probe)
+and over a profile's op table (evidence for `kprof suggest`).
+
+Two phases, as in gpt-fast's quantizer: `find_matches` plans (which rule fits which module, with
+the parameters its probe found: eps, offset, activation), `Patch.install` converts (instance-level
+overrides that reuse the module's own Parameters). Nothing is replaced by class name: a module is
+a candidate because of its shape (a 1-D weight and an eps, three Linears and an activation) and is
+matched only if its forward, run on a small random input, computes what the kernel computes.
+
+Order of `RULES` is precedence: an object already overridden by an earlier rule's match is not
+touched by a later one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+
+from kprof.errors import KprofError
+
+# ---------------------------------------------------------------------------------------------
+# Kernels, resolved lazily: a rule names "module:function" in kprof.kernels; it is apply-able only
+# when that kernel exists in this install (suggest still reports it from the profile).
+
+
+def kernel_fn(ref: str) -> Callable | None:
+    """`"rms_norm:rms_norm"` -> kprof.kernels.rms_norm.rms_norm, or None if not shipped."""
+    mod_name, _, fn_name = ref.partition(":")
+    full = f"kprof.kernels.{mod_name}"
+    try:
+        mod = importlib.import_module(full)
+    except ModuleNotFoundError as e:
+        if e.name == full:
+            return None
+        raise
+    return getattr(mod, fn_name, None)
+
+
+def kernel_spec(ref: str):
+    """The registry's KernelSpec whose public function (or reference) is `ref`, or None."""
+    fn = kernel_fn(ref)
+    if fn is None:
+        return None
+    from kprof.kernels.registry import REGISTRY
+
+    for spec in REGISTRY.values():
+        if spec.fn is fn or spec.reference is fn:
+            return spec
+    return None
+
+
+def reference_fn(ref: str) -> Callable | None:
+    """The pure-PyTorch reference beside a kernel: `rms_norm:rms_norm` -> `rms_norm_reference`."""
+    mod_name, _, fn_name = ref.partition(":")
+    return kernel_fn(f"{mod_name}:{fn_name}_reference")
+
+
+# ---------------------------------------------------------------------------------------------
+# Rules
+
+
+@dataclass(frozen=True)
+class ProfilePattern:
+    """How a rule's pattern shows in ops.parquet (suggest's side; no model needed).
+
+    Op names are matched without the `aten::` prefix, on forward-phase ops. A module path
+    qualifies if the ops attributed to the module itself ("own") contain every name in `own_all`,
+    at least one of `own_any` (when given) and none of `own_none`; the own ops of its direct
+    children contain at least one of `child_any` (when given); at least `child_linear` direct
+    children run a matmul (mm/addmm/linear/matmul/bmm); and `root_only` keeps top-level modules.
+
+    `evidence` selects the ops whose device time (forward, and backward where the profile
+    attributes it to the module) the replacement removes:
+    "*" every op in the subtree; "own:NAME" the module's own ops named NAME; "childmod:NAME" every
+    op of each direct child whose own ops include NAME; "subtree:NAME" ops named NAME anywhere
+    in the subtree.
+    """
+
+    own_all: tuple[str, ...] = ()
+    own_any: tuple[str, ...] = ()
+    own_none: tuple[str, ...] = ()
+    child_any: tuple[str, ...] = ()
+    child_linear: int = 0
+    root_only: bool = False
+    evidence: tuple[str, ...] = ("*",)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One pattern -> one fix. See the rule modules for instances; `examples/custom_rules/` for a
+    user rule loaded with `--rules DIR`."""
+
+    id: str  # stable id used by `--patch ID`
+    title: str  # one line, what the user reads
+    kernels: tuple[str, ...]  # "module:function" in kprof.kernels, all needed to apply
+    # Live side. `match(path, module)` -> params dict if the module is this pattern (structure
+    # checked first, then a behaviour probe), else None.
+    match: Callable[[str, nn.Module], dict | None] | None
+    # `replace(module, params)` -> {relative child path ("" = the module): new forward}.
+    replace: Callable[[nn.Module, dict], dict[str, Callable]] | None
+    profile: ProfilePattern
+    # Kernel problem for the saving estimate from the evidence ops of one matched module
+    # (a DataFrame slice of ops.parquet) -> kwargs for `KernelSpec.cost`, or None if unknown.
+    problem: Callable[[Any], dict | None] | None = None
+    # Cost of the replacement when it is not a kprof kernel (e.g. SDPA): cost(**problem) ->
+    # {"fwd": Cost, "bwd": Cost}. Default: the first kernel's KernelSpec.cost.
+    cost: Callable[..., Mapping[str, Any]] | None = None
+    change: str = ""  # what replaces the pattern, in words ("kprof rms_norm kernel")
+    code_change: str | None = None  # for rules apply can't do: the edit the user makes
+    confidence: str = "high"  # how sure a profile-side match is the pattern: high|medium|low
+    # Which outputs verification compares (default: every floating tensor in the output).
+    outputs: Callable[[Any], Any] | None = None
+    # Namespace-level rules (a function in a model's Python module, e.g. apply_rotary_pos_emb)
+    # find their own targets: `find(model)` -> [(path, namespace, attr, params)].
+    find: Callable[[nn.Module], list[tuple[str, Any, str, dict]]] | None = None
+    replace_fn: Callable[[Callable, dict], Callable] | None = None
+    source: str = "builtin"  # or the file a user rule came from
+
+    @property
+    def applyable(self) -> bool:
+        return (self.replace is not None or self.replace_fn is not None) and self.kernels_available
+
+    @property
+    def kernels_available(self) -> bool:
+        return all(kernel_fn(k) is not None for k in self.kernels)
+
+    def missing_kernels(self) -> list[str]:
+        return [k for k in self.kernels if kernel_fn(k) is None]
+
+
+@dataclass
+class Match:
+    """A rule's planned hit on a live model (phase one)."""
+
+    rule: Rule
+    path: str  # module path ("model.layers.0.mlp") or "module.function" for namespace rules
+    target: Any  # the nn.Module, or the Python module holding the function
+    params: dict
+    attr: str = "forward"  # the entry attribute patched on target
+    source: str = ""  # file:line of the matched code
+
+    @property
+    def is_module(self) -> bool:
+        return isinstance(self.target, nn.Module)
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding matches
+
+
+def source_of(obj: Any) -> str:
+    """file:line of a module's forward (or a function), for the user to find the matched code."""
+    fn = obj
+    if isinstance(obj, nn.Module):
+        fn = type(obj).forward
+    fn = inspect.unwrap(fn)
+    try:
+        file = inspect.getsourcefile(fn) or "?"
+        line = inspect.getsourcelines(fn)[1]
+    except (OSError, TypeError):
+        return "?"
+    return f"{file}:{line}"
+
+
+def find_matches(model: nn.Module, rules: Sequence[Rule]) -> list[Match]:
+    """Plan: every (rule, target) that fits, in rule order, at most one rule per overridden object."""
+    claimed: set[tuple[int, str]] = set()
+    out: list[Match] = []
+    for rule in rules:
+        if not rule.applyable:
+            continue
+        if rule.find is not None:
+            for path, ns, attr, params in rule.find(model):
+                key = (id(ns), attr)
+                if key in claimed:
+                    continue
+                claimed.add(key)
+                out.append(Match(rule, path, ns, params, attr=attr, source=source_of(getattr(ns, attr))))
+            continue
+        for path, mod in model.named_modules():
+            if (id(mod), "forward") in claimed or "forward" in mod.__dict__:
+                continue  # already patched by an earlier rule (or by the user)
+            params = rule.match(path, mod)
+            if params is None:
+                continue
+            children = dict(mod.named_modules())
+            keys = set()
+            for rel in rule.replace(mod, params):
+                keys.add((id(children[rel]), "forward"))
+            if keys & claimed:
+                continue
+            claimed |= keys
+            out.append(Match(rule, path, mod, params, source=source_of(mod)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Probing helpers used by rule matchers
+
+
+def param_like(module: nn.Module) -> tuple[torch.device, torch.dtype]:
+    for p in module.parameters():
+        return p.device, p.dtype
+    return torch.device("cpu"), torch.float32
+
+
+def probe_input(shape: Sequence[int], device, dtype, *, seed: int = 0) -> torch.Tensor:
+    """A random input with a non-zero mean: a LayerNorm and an RMSNorm agree on zero-mean rows, so
+    the probe must not be zero-mean. Seeded so a probe is reproducible and leaves global RNG alone."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return (torch.randn(*shape, generator=g) + 0.5).to(device=device, dtype=dtype)
+
+
+def behaves_like(fn_a: Callable[[], Any], fn_b: Callable[[], Any], dtype: torch.dtype) -> bool:
+    """Run two zero-argument callables without grad and compare their tensor outputs at the
+    verification tolerance of `dtype`. Exceptions mean "not this pattern"."""
+    from kprof.kernels._common import TOLERANCE
+
+    tol = TOLERANCE.get(dtype, TOLERANCE[torch.float32])
+    try:
+        with torch.no_grad():
+            a, b = fn_a(), fn_b()
+    except Exception:  # a probe that can't even run is a non-match, not an error  # noqa: BLE001
+        return False
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
+        return False
+    return bool(torch.allclose(a.float(), b.float(), atol=tol.atol, rtol=tol.rtol))
+
+
+def eps_of(module: nn.Module) -> float | None:
+    for name in ("eps", "variance_epsilon", "epsilon"):
+        v = getattr(module, name, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return None
+
+
+def is_linear(m: nn.Module) -> bool:
+    return isinstance(m, nn.Linear)
+
+
+# ---------------------------------------------------------------------------------------------
+# User rules from a folder
+
+
+def load_rules(directory: str | Path) -> list[Rule]:
+    """Import every `*.py` in `directory` and collect its `RULE` (one) or `RULES` (a list)."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise KprofError(f"--rules {directory}: not a directory; pass a folder of rule files (see examples/custom_rules/)")
+    found: list[Rule] = []
+    for f in sorted(d.glob("*.py")):
+        if f.name.startswith("_"):
+            continue
+        name = f"kprof_user_rules.{f.stem}"
+        spec = importlib.util.spec_from_file_location(name, f)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        try:
+            spec.loader.exec_module(mod)
+        except Exception as e:
+            raise KprofError(f"--rules: importing {f} failed: {type(e).__name__}: {e}") from e
+        rules = list(getattr(mod, "RULES", [])) + ([mod.RULE] if hasattr(mod, "RULE") else [])
+        if not rules:
+            raise KprofError(f"--rules: {f} defines neither RULE nor RULES; see examples/custom_rules/")
+        for r in rules:
+            if not isinstance(r, Rule):
+                raise KprofError(f"--rules: {f}: {r!r} is not a kprof.rules.Rule")
+            found.append(_with_source(r, str(f)))
+    if not found:
+        raise KprofError(f"--rules {directory}: no rule files (*.py) found")
+    return found
+
+
+def _with_source(rule: Rule, source: str) -> Rule:
+    from dataclasses import replace
+
+    return replace(rule, source=source)
+
+
+def select(rules: Sequence[Rule], ids: Iterable[str] | None) -> list[Rule]:
+    """The rules with the given ids, in precedence order; unknown ids are an error."""
+    if ids is None:
+        return list(rules)
+    ids = list(ids)
+    by_id = {r.id: r for r in rules}
+    unknown = [i for i in ids if i not in by_id]
+    if unknown:
+        raise KprofError(f"unknown rule id(s) {', '.join(unknown)}; known: {', '.join(by_id)}")
+    return [r for r in rules if r.id in set(ids)]
+
+

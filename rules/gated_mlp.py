@@ -1,0 +1,94 @@
+"""Gated MLP (gate/up/down Linears with SiLU or GELU) -> fused swiglu / geglu.
+
+Structure: a module with exactly three direct Linear children, two H -> I and one I -> H. Which of
+the two H -> I is the gate, and which activation, is found by probing: the module's forward must
+equal down(act(a(x)) * b(x)) for one assignment. Eager runs act and the multiply as two kernels
+that each read and write a (B*T, I) tensor (plus two more in backward); the fused kernel reads gate
+and up once and writes the product once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kprof.rules.engine import ProfilePattern, Rule, behaves_like, kernel_fn, param_like, probe_input
+from kprof.rules.problems import first_shape
+
+SWIGLU, GEGLU = "glu:swiglu", "glu:geglu"
+
+_ACTS = {
+    "silu": F.silu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+def _linears(m: nn.Module) -> dict[str, nn.Linear]:
+    return {n: c for n, c in m.named_children() if isinstance(c, nn.Linear)}
+
+
+def match(path: str, m: nn.Module) -> dict | None:
+    lin = _linears(m)
+    if len(lin) != 3:
+        return None
+    ups = [n for n, c in lin.items() if c.out_features > c.in_features]
+    downs = [n for n, c in lin.items() if c.out_features < c.in_features]
+    if len(ups) != 2 or len(downs) != 1:
+        return None
+    a, b = (lin[n] for n in ups)
+    d = lin[downs[0]]
+    if a.weight.shape != b.weight.shape or d.in_features != a.out_features or d.out_features != a.in_features:
+        return None
+    device, dtype = param_like(m)
+    x = probe_input((2, 3, a.in_features), device, dtype)
+    for gate, up in ((ups[0], ups[1]), (ups[1], ups[0])):
+        g, u = lin[gate], lin[up]
+        for act, f in _ACTS.items():
+            if behaves_like(lambda: m.forward(x), lambda: d(f(g(x)) * u(x)), dtype):
+                return {"gate": gate, "up": up, "down": downs[0], "act": act}
+    return None
+
+
+def replace(m: nn.Module, p: dict) -> dict:
+    gate, up, down = (getattr(m, p[k]) for k in ("gate", "up", "down"))
+    if p["act"] == "silu":
+        fused = kernel_fn(SWIGLU)
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return down(fused(gate(x), up(x)))
+    else:
+        fused, approximate = kernel_fn(GEGLU), ("tanh" if p["act"] == "gelu_tanh" else "none")
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return down(fused(gate(x), up(x), approximate=approximate))
+
+    return {"": forward}
+
+
+def problem(ops) -> dict | None:
+    # Evidence ops are the activation and the multiply; the activation's input is the gate (…, I).
+    got = first_shape(ops)
+    if got is None:
+        return None
+    shape, dtype = got
+    n_rows = 1
+    for s in shape[:-1]:
+        n_rows *= s
+    return {"n_rows": n_rows, "n_cols": shape[-1], "dtype": dtype}
+
+
+RULE = Rule(
+    id="gated_mlp",
+    title="gated MLP act(gate) * up -> fused swiglu/geglu",
+    kernels=(SWIGLU, GEGLU),
+    match=match,
+    replace=replace,
+    # The mul sits in the MLP module itself; silu/gelu in an activation child (HF ACT2FN modules)
+    # or in the module itself (F.silu in forward).
+    profile=ProfilePattern(own_all=("mul",), child_any=("silu", "gelu", "tanh"), child_linear=3,
+                           evidence=("own:mul", "childmod:silu", "childmod:gelu", "childmod:tanh")),
+    problem=problem,
+    change="kprof swiglu/geglu kernel (act and multiply in one pass, fwd and bwd)",
+)
