@@ -1,0 +1,550 @@
+"""LayerNorm over the last dim, with or without weight and bias, forward and backward.
+
+Matches `F.layer_norm(x, (N,), weight, bias, eps)`: mean and biased variance in fp32, output
+in x's dtype (the weight and bias may be another float dtype, as under autocast).
+
+Napkin math, H200 (4.27 TB/s measured copy bandwidth), bf16, x of 16384 x 4096 (128 MiB):
+  forward:  read x, write y                 = 2 x 134.2 MB = 268 MB -> floor  63 us
+  backward: read x, dy; write dx            = 3 x 134.2 MB = 403 MB -> floor  94 us
+            (+ mean and rstd 2 x 64 KB, the dweight and dbias partials 2 x 264 x 4096 x 4 B
+            = 8.7 MB, written and read once)
+  targets 70 / 200 us fwd / fwd+bwd. As in rms_norm, the backward is one pass: each program
+  of a persistent grid walks a contiguous chunk of rows, keeps its dweight and dbias partial
+  sums in registers and writes them once; a small torch reduction sums the partials. No
+  atomics: bitwise deterministic on a given device.
+
+The launch configuration (`RowConfig`, the persistent grid) is shared with rms_norm so both
+norms are tuned in one place. Rows up to MAX_FUSED_N are held in registers (x read once);
+wider rows loop over column tiles and read x three times in the forward (mean, variance,
+output: two-pass variance, not sum-of-squares, for accuracy when |mean| >> std) and twice in
+the backward.
+"""
+
+import math
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import nn
+
+from kprof.errors import KprofError
+from kprof.kernels._common import use_triton, warn_fallback
+from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
+from kprof.kernels.rms_norm import MAX_FUSED_N, RowConfig, backward_grid
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    X, W, B, Y, MEAN, RSTD,
+    stride_x, stride_y,
+    n_rows, n_cols, eps,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    LOOP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """y = (x - mean) * rstd [* w] [+ b] for BLOCK_M rows per program, all in fp32; mean and
+    rstd (fp32, one per row) are saved for the backward."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    rows64 = rows.to(tl.int64)  # row * stride overflows int32 past 2^31 elements
+    x_ptr = X + rows64[:, None] * stride_x
+    y_ptr = Y + rows64[:, None] * stride_y
+
+    if not LOOP:
+        cols = tl.arange(0, BLOCK_N)
+        col_mask = cols < n_cols
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(x_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=1) / n_cols
+        xc = tl.where(mask, x - mean[:, None], 0.0)  # padding must not enter the variance
+        rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / n_cols + eps)
+        tl.store(MEAN + rows, mean, mask=row_mask)
+        tl.store(RSTD + rows, rstd, mask=row_mask)
+        y = xc * rstd[:, None]
+        if HAS_WEIGHT:
+            y = y * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if HAS_BIAS:
+            y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_N):  # pass 1: mean
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = row_mask[:, None] & (cols < n_cols)[None, :]
+            acc += tl.load(x_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(acc, axis=1) / n_cols
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_N):  # pass 2: variance about the mean
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = row_mask[:, None] & (cols < n_cols)[None, :]
+            x = tl.load(x_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            xc = tl.where(mask, x - mean[:, None], 0.0)
+            acc += xc * xc
+        rstd = tl.rsqrt(tl.sum(acc, axis=1) / n_cols + eps)
+        tl.store(MEAN + rows, mean, mask=row_mask)
+        tl.store(RSTD + rows, rstd, mask=row_mask)
+        for start in range(0, n_cols, BLOCK_N):  # pass 3: output
+            cols = start + tl.arange(0, BLOCK_N)
+            col_mask = cols < n_cols
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = tl.load(x_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            y = (x - mean[:, None]) * rstd[:, None]
+            if HAS_WEIGHT:
+                y = y * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            if HAS_BIAS:
+                y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(
+    DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, C,
+    stride_dy, stride_x, stride_dx,
+    n_rows, n_cols, rows_per_program,
+    HAS_WEIGHT: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    COMPUTE_DB: tl.constexpr,
+    LOOP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Backward over a contiguous chunk of rows per program (persistent grid).
+
+    With x_hat = (x - mean) * rstd and g = dy * w (dy without a weight):
+        dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat))
+        dw = sum over rows of dy * x_hat,  db = sum over rows of dy
+    (dw, db: this program's partial rows in DW_PART[pid, :], DB_PART[pid, :]).
+    """
+    pid = tl.program_id(0)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+
+    if not LOOP:
+        cols = tl.arange(0, BLOCK_N)
+        col_mask = cols < n_cols
+        if HAS_WEIGHT:
+            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for row0 in range(row_start, row_end, BLOCK_M):
+            rows = row0 + tl.arange(0, BLOCK_M)
+            row_mask = rows < row_end
+            rows64 = rows.to(tl.int64)
+            mask = row_mask[:, None] & col_mask[None, :]
+            dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+            x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+            if HAS_WEIGHT:
+                g = dy * w[None, :]
+            else:
+                g = dy
+            c1 = tl.sum(g * x_hat, axis=1) / n_cols
+            c2 = tl.sum(g, axis=1) / n_cols
+            dx = (g - c2[:, None] - x_hat * c1[:, None]) * rstd[:, None]
+            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            if COMPUTE_DW:
+                dw_acc += dy * x_hat
+            if COMPUTE_DB:
+                db_acc += dy
+        if COMPUTE_DW:
+            tl.store(DW_PART + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+        if COMPUTE_DB:
+            tl.store(DB_PART + pid * n_cols + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+    else:
+        # Phase A: c1 = mean(g * x_hat) and c2 = mean(g) of every row of the chunk, into the
+        # fp32 scratch C = [c1 (n_rows), c2 (n_rows)].
+        for row0 in range(row_start, row_end, BLOCK_M):
+            rows = row0 + tl.arange(0, BLOCK_M)
+            row_mask = rows < row_end
+            rows64 = rows.to(tl.int64)
+            mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+            acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                col_mask = cols < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+                if HAS_WEIGHT:
+                    g = dy * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+                else:
+                    g = dy
+                acc1 += g * x_hat
+                acc2 += g
+            tl.store(C + rows, tl.sum(acc1, axis=1) / n_cols, mask=row_mask)
+            tl.store(C + n_rows + rows, tl.sum(acc2, axis=1) / n_cols, mask=row_mask)
+        # C was written by other threads of this program: make it visible before reading.
+        tl.debug_barrier()
+        # Phase B: column tile outer, rows inner, so a tile's dw/db partials stay in registers.
+        for start in range(0, n_cols, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_mask = cols < n_cols
+            if HAS_WEIGHT:
+                w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+            dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for row0 in range(row_start, row_end, BLOCK_M):
+                rows = row0 + tl.arange(0, BLOCK_M)
+                row_mask = rows < row_end
+                rows64 = rows.to(tl.int64)
+                mask = row_mask[:, None] & col_mask[None, :]
+                dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+                rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+                c1 = tl.load(C + rows, mask=row_mask, other=0.0)
+                c2 = tl.load(C + n_rows + rows, mask=row_mask, other=0.0)
+                x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+                if HAS_WEIGHT:
+                    g = dy * w[None, :]
+                else:
+                    g = dy
+                dx = (g - c2[:, None] - x_hat * c1[:, None]) * rstd[:, None]
+                tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+                if COMPUTE_DW:
+                    dw_acc += dy * x_hat
+                if COMPUTE_DB:
+                    db_acc += dy
+            if COMPUTE_DW:
+                tl.store(DW_PART + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+            if COMPUTE_DB:
+                tl.store(DB_PART + pid * n_cols + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Checks and host launchers
+# --------------------------------------------------------------------------------------------
+
+
+def _check(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise KprofError(f"layer_norm: x must be a tensor, got {type(x).__name__}")
+    if x.dim() == 0:
+        raise KprofError("layer_norm: x must have at least one dimension (the normalized last dim); got a scalar")
+    if x.dtype not in _DTYPES:
+        raise KprofError(f"layer_norm: supports float32/float16/bfloat16, got x {x.dtype}; cast the input first")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        if p.dtype not in _DTYPES:
+            raise KprofError(f"layer_norm: supports float32/float16/bfloat16, got {name} {p.dtype}")
+        if p.dim() != 1 or p.shape[0] != x.shape[-1]:
+            raise KprofError(
+                f"layer_norm: {name} must have shape ({x.shape[-1]},) to match x's last dim (only the last dim is "
+                f"normalized); got {tuple(p.shape)}"
+            )
+        if p.device != x.device:
+            raise KprofError(f"layer_norm: x is on {x.device} but {name} is on {p.device}; move them together")
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """(..., N) -> (M, N) with unit column stride (copies only if it has to)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _require_triton(t: torch.Tensor, op: str) -> None:
+    if not use_triton(t):
+        raise KprofError(
+            f"{op}: Triton needs a CUDA tensor (or TRITON_INTERPRET=1 for CPU tensors); got a tensor on {t.device}. "
+            "Call the public function instead, which falls back to the PyTorch reference."
+        )
+
+
+def _launch_fwd(x, weight, bias, eps):
+    _require_triton(x, "layer_norm")
+    n_cols = x.shape[-1]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    mean = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return y, mean.fill_(math.nan), rstd.fill_(math.nan)  # moments of an empty row are undefined
+    x2 = _rows(x)
+    y2 = y.view(-1, n_cols)
+    n_rows = x2.shape[0]
+    cfg = RowConfig.forward(n_cols)
+    w = weight.contiguous() if weight is not None else x2  # dummy pointer when absent
+    b = bias.contiguous() if bias is not None else x2
+    _layer_norm_fwd_kernel[(triton.cdiv(n_rows, cfg.block_m),)](
+        x2, w, b, y2, mean, rstd,
+        x2.stride(0), y2.stride(0),
+        n_rows, n_cols, eps,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, LOOP=cfg.loop,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+    )
+    return y, mean, rstd
+
+
+def _launch_bwd(dy, x, weight, mean, rstd, compute_dw, compute_db):
+    _require_triton(x, "layer_norm backward")
+    n_cols = x.shape[-1]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dw_shape = (n_cols,) if compute_dw else (0,)
+    db_shape = (n_cols,) if compute_db else (0,)
+    if x.numel() == 0:
+        return (
+            dx,
+            torch.zeros(dw_shape, dtype=torch.float32, device=x.device),
+            torch.zeros(db_shape, dtype=torch.float32, device=x.device),
+        )
+    dy2, x2 = _rows(dy), _rows(x)
+    dx2 = dx.view(-1, n_cols)
+    n_rows = x2.shape[0]
+    cfg = RowConfig.backward(n_cols)
+    n_programs, rows_per_program = backward_grid(n_rows, cfg, x.device)
+    dw_part = torch.empty((n_programs, n_cols) if compute_dw else (1,), dtype=torch.float32, device=x.device)
+    db_part = torch.empty((n_programs, n_cols) if compute_db else (1,), dtype=torch.float32, device=x.device)
+    # Per-row scratch (c1, c2) for the looped path only; a dummy otherwise.
+    c = torch.empty(2 * n_rows if cfg.loop else 1, dtype=torch.float32, device=x.device)
+    _layer_norm_bwd_kernel[(n_programs,)](
+        dy2, x2, weight.contiguous() if weight is not None else x2, mean.reshape(-1), rstd.reshape(-1),
+        dx2, dw_part, db_part, c,
+        dy2.stride(0), x2.stride(0), dx2.stride(0),
+        n_rows, n_cols, rows_per_program,
+        HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, LOOP=cfg.loop,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+    )
+    # Second stage of the dw/db reductions: fixed order over n_programs rows, deterministic.
+    dw = dw_part.sum(0) if compute_dw else dw_part.new_zeros(0)
+    db = db_part.sum(0) if compute_db else db_part.new_zeros(0)
+    return dx, dw, db
+
+
+# --------------------------------------------------------------------------------------------
+# torch.library custom ops
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("kprof::layer_norm_fwd", mutates_args=())
+def _layer_norm_fwd_op(
+    x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _launch_fwd(x, weight, bias, eps)
+
+
+@_layer_norm_fwd_op.register_fake
+def _(x, weight, bias, eps):
+    stats = x.shape[:-1]
+    return x.new_empty(x.shape), x.new_empty(stats, dtype=torch.float32), x.new_empty(stats, dtype=torch.float32)
+
+
+@torch.library.custom_op("kprof::layer_norm_bwd", mutates_args=())
+def _layer_norm_bwd_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    compute_dw: bool,
+    compute_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dx, dweight, dbias); dweight and dbias in fp32 (the caller casts them to the
+    parameters' dtypes), shape (N,) when asked for, else (0,)."""
+    return _launch_bwd(dy, x, weight, mean, rstd, compute_dw, compute_db)
+
+
+@_layer_norm_bwd_op.register_fake
+def _(dy, x, weight, mean, rstd, compute_dw, compute_db):
+    n = x.shape[-1]
+    return (
+        x.new_empty(x.shape),
+        x.new_empty((n,) if compute_dw else (0,), dtype=torch.float32),
+        x.new_empty((n,) if compute_db else (0,), dtype=torch.float32),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# autograd
+# --------------------------------------------------------------------------------------------
+
+
+class _LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        y, mean, rstd = torch.ops.kprof.layer_norm_fwd(x, weight, bias, eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.w_dtype = weight.dtype if weight is not None else None
+        ctx.b_dtype = bias.dtype if bias is not None else None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        compute_dw = weight is not None and ctx.needs_input_grad[1]
+        compute_db = ctx.b_dtype is not None and ctx.needs_input_grad[2]
+        dx, dw, db = torch.ops.kprof.layer_norm_bwd(dy, x, weight, mean, rstd, compute_dw, compute_db)
+        return (
+            dx if ctx.needs_input_grad[0] else None,
+            dw.to(ctx.w_dtype) if compute_dw else None,
+            db.to(ctx.b_dtype) if compute_db else None,
+            None,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Public function and module
+# --------------------------------------------------------------------------------------------
+
+
+def layer_norm(
+    x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor] = None, eps: float = 1e-5
+) -> torch.Tensor:
+    """LayerNorm over the last dim of `x` (..., N); weight and bias of shape (N,) or None.
+
+    Matches `F.layer_norm(x, (N,), weight, bias, eps)`: mean and biased variance in fp32 (two
+    passes, not E[x²] - E[x]²), affine in fp32, one cast to x's dtype. dtypes: float32,
+    float16, bfloat16; weight and bias may differ from x (the output keeps x's dtype, the
+    gradients their parameters' dtypes). Any leading shape and strides; rows of any width.
+    """
+    _check(x, weight, bias)
+    if use_triton(x):
+        return _LayerNormFunction.apply(x, weight, bias, float(eps))
+    warn_fallback("layer_norm", f"no Triton for tensors on {x.device}")
+    return layer_norm_reference(x, weight, bias, eps)
+
+
+class LayerNorm(nn.LayerNorm):
+    """Drop-in for `nn.LayerNorm` over the last dim: same constructor, parameters and
+    state_dict (weight, bias), forward through `layer_norm`. Only a single normalized
+    dim is supported (every LLM's LayerNorm); others raise."""
+
+    def __init__(
+        self,
+        normalized_shape: Union[int, tuple[int, ...], list[int]],
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+    ):
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        if len(shape) != 1:
+            raise KprofError(
+                f"LayerNorm: kprof normalizes over the last dim only; got normalized_shape={shape}. "
+                "Reshape so the normalized dims are one, or keep nn.LayerNorm for this module."
+            )
+        super().__init__(shape, eps=eps, elementwise_affine=elementwise_affine, bias=bias, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1:] != self.normalized_shape:
+            raise KprofError(
+                f"LayerNorm: expected input with last dim {self.normalized_shape[0]}, got shape {tuple(x.shape)}"
+            )
+        return layer_norm(x, self.weight, self.bias, self.eps)
+
+
+# --------------------------------------------------------------------------------------------
+# PyTorch reference
+# --------------------------------------------------------------------------------------------
+
+
+def layer_norm_reference(
+    x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor] = None, eps: float = 1e-5
+) -> torch.Tensor:
+    """F.layer_norm computed in fp32 (fp64 for fp64 inputs), cast to x's dtype: what PyTorch's
+    CUDA kernel does for half inputs, including mixed parameter dtypes."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    w = weight.to(acc) if weight is not None else None
+    b = bias.to(acc) if bias is not None else None
+    return F.layer_norm(x.to(acc), (x.shape[-1],), w, b, eps).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Cost model and registry
+# --------------------------------------------------------------------------------------------
+
+# FLOPs per element, counted from the kernels above:
+#   forward:  +sum (1), x - mean (1), xc*xc and +sum (2), *rstd (1), *w (1), +b (1)      = 7
+#   backward: x_hat (2), g = dy*w (1), g*x_hat and +sum (2), +sum g (1),
+#             dx = (g - c2 - x_hat*c1)*rstd (4), dw += dy*x_hat (2), db += dy (1)       = 13
+# (the affine terms are counted even without weight/bias: an upper bound by 2-3 FLOP).
+_FWD_FLOPS, _BWD_FLOPS = 7, 13
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def layer_norm_cost(
+    n_rows: int,
+    n_cols: int,
+    dtype: torch.dtype,
+    weight_dtype: Optional[torch.dtype] = None,
+    has_weight: bool = True,
+    has_bias: bool = True,
+) -> dict[str, Cost]:
+    """Minimal bytes (each input read once, each output written once) and FLOPs."""
+    elems = n_rows * n_cols
+    xs = _size(dtype)
+    params = (int(has_weight) + int(has_bias)) * n_cols * _size(weight_dtype or dtype)
+    stats = 2 * n_rows * 4  # mean, rstd (fp32)
+    fwd = Cost(_FWD_FLOPS * elems, 2 * elems * xs + params + stats)  # x, w, b -> y, mean, rstd
+    w_read = n_cols * _size(weight_dtype or dtype) if has_weight else 0
+    bwd = Cost(_BWD_FLOPS * elems, 3 * elems * xs + w_read + stats + params)  # dy, x, w, stats -> dx, dw, db
+    return {"fwd": fwd, "bwd": bwd}
+
+
+def _rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
+    return math.prod(shape[:-1]), (shape[-1] if shape else 1)
+
+
+def _is_param(m: Optional[TensorMeta], n_cols: int) -> bool:
+    return m is not None and tuple(m.shape) == (n_cols,)
+
+
+def _fwd_op_cost(metas: list[TensorMeta]) -> Cost:
+    # (x, weight?, bias?): a None parameter may be absent from the trace or recorded with an
+    # empty shape, so parameters are recognized by their shape (N,).
+    x = metas[0]
+    n_rows, n_cols = _rows_cols(x.shape)
+    params = [m for m in metas[1:3] if _is_param(m, n_cols)]
+    elems = n_rows * n_cols
+    nbytes = 2 * elems * _size(x.dtype) + sum(n_cols * _size(m.dtype) for m in params) + 2 * n_rows * 4
+    return Cost((_FWD_FLOPS - 2 + len(params)) * elems, nbytes)
+
+
+def _bwd_op_cost(metas: list[TensorMeta]) -> Cost:
+    # (dy, x, weight?, mean, rstd): mean and rstd are the last two. Whether dbias is computed
+    # is a bool argument, not in the trace: assumed present with the weight (the nn.LayerNorm
+    # default).
+    x = metas[1]
+    n_rows, n_cols = _rows_cols(x.shape)
+    w = metas[2] if len(metas) >= 5 and _is_param(metas[2], n_cols) else None
+    c = layer_norm_cost(n_rows, n_cols, x.dtype, w.dtype if w is not None else None, w is not None, w is not None)
+    return c["bwd"]
+
+
+register(
+    KernelSpec(
+        name="layer_norm",
+        replaces="F.layer_norm / nn.LayerNorm over the last dim (native kernel; fused here fwd and one-pass bwd)",
+        dtypes=_DTYPES,
+        limits=(
+            f"last dim only, any width: rows up to {MAX_FUSED_N} held in registers (x read once); wider rows loop "
+            "over column tiles (x read 3x fwd, 2x bwd, mostly from L2)"
+        ),
+        deterministic=True,  # no atomics; dw/db partials reduced in a fixed order
+        fn=layer_norm,
+        module=LayerNorm,
+        reference=layer_norm_reference,
+        cost=layer_norm_cost,
+        op_costs={"kprof::layer_norm_fwd": _fwd_op_cost, "kprof::layer_norm_bwd": _bwd_op_cost},
+    )
+)
