@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from kprof.errors import KprofError
-from kprof.kernels._common import interpreter_enabled, use_triton, warn_fallback
+from kprof.kernels._common import use_triton, warn_fallback
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 
 # Activation codes passed to the kernels as the ACT constexpr.

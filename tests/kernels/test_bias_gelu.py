@@ -1,0 +1,246 @@
+"""bias_gelu vs its reference: forward, dx and dbias, dtypes, odd and non-contiguous shapes,
+empty tensors, the two-level dbias reduction, torch.compile, determinism, errors, costs.
+
+The reference runs on inputs upcast to fp32 (fp64 for fp32 inputs) and is cast back; tolerances
+come from the one table in kprof.kernels._common.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kprof.errors import KprofError
+from kprof.kernels import _common, bias_gelu as bg, registry
+from kprof.kernels._common import assert_close
+from kprof.kernels.glu import StreamConfig
+from kprof.kernels.registry import Cost, TensorMeta
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+APPROX = ["tanh", "none"]
+
+# tl.sigmoid overflows exp to inf on purpose for very negative inputs; numpy (interpreter) warns.
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+SHAPES = [
+    (1, 1),
+    (3, 7),
+    (37, 781),  # CPU stand-in for 1823x781
+    (2, 5, 4097),
+    (1, 65536),
+    (0, 16),  # no rows: dbias must be zeros, not empty
+    (4, 0),
+    pytest.param((1823, 781), marks=pytest.mark.gpu),
+    pytest.param((8192, 3072), marks=pytest.mark.gpu),  # GPT-2 MLP width 4*768, 8K tokens
+]
+
+
+def _hi(dtype):
+    return torch.float64 if dtype == torch.float32 else torch.float32
+
+
+def _run(x, b, dy, approximate):
+    x = x.detach().clone().requires_grad_()
+    b = b.detach().clone().requires_grad_()
+    y = bg.bias_gelu(x, b, approximate)
+    y.backward(dy)
+    return y.detach(), x.grad, b.grad
+
+
+def _check(x, b, dy, approximate):
+    y, dx, db = _run(x, b, dy, approximate)
+    hi = _hi(x.dtype)
+    xr = x.detach().to(hi).requires_grad_()
+    br = b.detach().to(hi).requires_grad_()
+    yr = bg.bias_gelu_reference(xr, br, approximate)
+    yr.backward(dy.to(hi))
+    assert y.dtype == x.dtype and y.shape == x.shape and y.is_contiguous()
+    assert dx.shape == x.shape and db.shape == b.shape and db.dtype == b.dtype
+    assert_close(y, yr, msg="forward")
+    assert_close(dx, xr.grad, msg="dx")
+    assert_close(db, br.grad, msg="dbias")
+
+
+def _inputs(shape, dtype, device, gen=None):
+    x = (torch.randn(shape, device=device, generator=gen) * 2).to(dtype)
+    b = torch.randn(shape[-1], device=device, generator=gen).to(dtype)
+    dy = torch.randn(shape, device=device, generator=gen).to(dtype)
+    return x, b, dy
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("approximate", APPROX)
+def test_matches_reference(approximate, dtype, shape, device):
+    torch.manual_seed(0)
+    _check(*_inputs(shape, dtype, device), approximate)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["transposed", "row_slice", "half_of_wider", "strided_bias"])
+def test_noncontiguous(kind, dtype, device):
+    torch.manual_seed(1)
+    m, n = 19, 300
+    b = torch.randn(n, device=device).to(dtype)
+    if kind == "transposed":
+        x = torch.randn(n, m, device=device).mul(2).to(dtype).t()
+    elif kind == "row_slice":
+        x = torch.randn(2, 2 * m, n, device=device).mul(2).to(dtype)[:, ::2]
+    elif kind == "half_of_wider":  # x = first half of a fused projection: row stride 2n
+        x = torch.randn(m, 2 * n, device=device).mul(2).to(dtype)[:, :n]
+    else:
+        x = torch.randn(m, n, device=device).mul(2).to(dtype)
+        b = torch.randn(2 * n, device=device).to(dtype)[::2]
+    assert not (x.is_contiguous() and b.is_contiguous())
+    dy = torch.randn(x.shape[::-1], device=device).to(dtype).transpose(0, -1)  # non-contiguous dy
+    _check(x, b, dy, "tanh")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dbias_many_row_tiles_per_group(dtype, device):
+    """Each backward program walks several row tiles and several groups write partial rows:
+    exercises the in-program accumulation and the second-level sum together."""
+    torch.manual_seed(5)
+    shape = (40, 4097) if device == "cpu" else (20000, 4097)
+    cfg = StreamConfig.streaming(*shape)
+    n_row_tiles = triton.cdiv(shape[0], cfg.block_m)
+    x, b, dy = _inputs(shape, dtype, device)
+    n_groups = bg._n_groups(x, n_row_tiles, triton.cdiv(shape[1], cfg.block_n))
+    assert 1 < n_groups < n_row_tiles
+    _check(x, b, dy, "none")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_extreme_inputs(dtype, device):
+    big = 60.0 if dtype == torch.float16 else 1e4
+    x = torch.tensor([[-big, -90.0, -30.0, -5.0, -1e-3, 0.0, 1e-3, 5.0, 30.0, 90.0, big]], device=device).to(dtype)
+    b = torch.zeros(x.shape[-1], device=device, dtype=dtype)
+    dy = torch.ones_like(x)
+    for approximate in APPROX:
+        y, dx, db = _run(x, b, dy, approximate)
+        assert torch.isfinite(y).all() and torch.isfinite(dx).all() and torch.isfinite(db).all()
+        _check(x, b, dy, approximate)
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+def test_deterministic(approximate, device):
+    torch.manual_seed(3)
+    shape = (64, 1000) if device == "cpu" else (8192, 3072)
+    x, b, dy = _inputs(shape, torch.bfloat16, device)
+    r1 = _run(x, b, dy, approximate)
+    r2 = _run(x, b, dy, approximate)
+    assert all(torch.equal(a, c) for a, c in zip(r1, r2))
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+def test_torch_compile_fullgraph(approximate, device):
+    torch._dynamo.reset()
+    torch.manual_seed(4)
+    x, b, _ = _inputs((5, 96), torch.float32, device)
+
+    def model(x, b):
+        return bg.bias_gelu(x * 0.5, b, approximate).sum(dim=-1)
+
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    xc, bc = x.clone().requires_grad_(), b.clone().requires_grad_()
+    xe, be = x.clone().requires_grad_(), b.clone().requires_grad_()
+    yc, ye = compiled(xc, bc), model(xe, be)
+    torch.testing.assert_close(yc, ye, rtol=0, atol=0)
+    yc.sum().backward()
+    ye.sum().backward()
+    torch.testing.assert_close(xc.grad, xe.grad, rtol=0, atol=0)
+    torch.testing.assert_close(bc.grad, be.grad, rtol=0, atol=0)
+
+
+def test_custom_ops_opcheck(device):
+    x = torch.randn(6, 40, device=device)
+    b = torch.randn(40, device=device)
+    dy = torch.randn(6, 40, device=device)
+    for op, args in [
+        (torch.ops.kprof.bias_gelu_fwd.default, (x, b, "tanh")),
+        (torch.ops.kprof.bias_gelu_bwd.default, (dy, x, b, "none")),
+    ]:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_module_matches_function(device):
+    torch.manual_seed(6)
+    m = bg.BiasGELU(48, approximate="none", device=device)
+    with torch.no_grad():
+        m.bias.normal_()
+    assert list(m.state_dict()) == ["bias"]
+    x = torch.randn(3, 48, device=device, requires_grad=True)
+    y = m(x)
+    torch.testing.assert_close(y, bg.bias_gelu(x, m.bias, "none"), rtol=0, atol=0)
+    y.sum().backward()
+    assert m.bias.grad is not None and m.bias.grad.shape == (48,)
+    assert "approximate='none'" in repr(m)
+
+
+@settings(max_examples=40 if HAS_CUDA else 8, deadline=None)
+@given(
+    lead=st.lists(st.integers(1, 6), min_size=0, max_size=2),
+    width=st.integers(1, 300),
+    dtype=st.sampled_from(DTYPES),
+    approximate=st.sampled_from(APPROX),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_property_random_shapes(lead, width, dtype, approximate, seed):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    _check(*_inputs((*lead, width), dtype, DEVICE, gen), approximate)
+
+
+def test_errors(device):
+    x = torch.randn(4, 8, device=device)
+    b = torch.randn(8, device=device)
+    with pytest.raises(KprofError, match="bias must have shape"):
+        bg.bias_gelu(x, torch.randn(7, device=device))
+    with pytest.raises(KprofError, match="bias must have shape"):
+        bg.bias_gelu(x, torch.randn(1, 8, device=device))
+    with pytest.raises(KprofError, match="same dtype"):
+        bg.bias_gelu(x.half(), b)
+    with pytest.raises(KprofError, match="float64"):
+        bg.bias_gelu(x.double(), b.double())
+    with pytest.raises(KprofError, match="approximate"):
+        bg.bias_gelu(x, b, approximate="exact")
+    with pytest.raises(KprofError, match="0-d"):
+        bg.bias_gelu(torch.tensor(1.0, device=device), b[:1])
+    with pytest.raises(KprofError, match="approximate"):
+        bg.BiasGELU(8, approximate="fast")
+    with pytest.raises(KprofError, match="dy must have"):
+        bg.bias_gelu_bwd(x[:2], x, b, "tanh")
+
+
+def test_fallback_without_triton_uses_reference(monkeypatch):
+    monkeypatch.setattr(bg, "use_triton", lambda t: False)
+    monkeypatch.setattr(_common, "_warned", set())
+    x, b = torch.randn(3, 8), torch.randn(8)
+    with pytest.warns(UserWarning, match="using the PyTorch reference"):
+        y = bg.bias_gelu(x, b, "none")
+    torch.testing.assert_close(y, bg.bias_gelu_reference(x, b, "none"), rtol=0, atol=0)
+
+
+def test_cost_issue_shape():
+    # x 16384x16384 bf16: fwd reads x and writes y (2 bytes each) plus the bias; bwd reads dy, x
+    # and writes dx plus bias read and dbias write.
+    mn, n = 16384 * 16384, 16384
+    c = registry.get("bias_gelu").cost(n_rows=16384, n_cols=16384, dtype=torch.bfloat16)
+    assert c["fwd"].bytes == 2 * (2 * mn + n)
+    assert c["bwd"].bytes == 2 * (3 * mn + 2 * n)
+    assert c["fwd"].bytes / 4.27e12 * 1e6 == pytest.approx(251, abs=1)
+    ce = registry.get("bias_gelu").cost(n_rows=16384, n_cols=16384, dtype=torch.bfloat16, approximate="none")
+    assert ce["fwd"].bytes == c["fwd"].bytes and ce["fwd"].flops < c["fwd"].flops
+
+
+def test_op_costs_from_trace_metas():
+    bf = torch.bfloat16
+    c = registry.get("bias_gelu").cost(n_rows=2 * 128, n_cols=3072, dtype=bf)
+    x, b = TensorMeta((2, 128, 3072), bf), TensorMeta((3072,), bf)
+    assert registry.op_cost("kprof::bias_gelu_fwd", [x, b]) == c["fwd"]
+    assert registry.op_cost("kprof::bias_gelu_bwd", [x, x, b]) == c["bwd"]
+    assert c["fwd"] == Cost(flops=11 * 256 * 3072, bytes=2 * (2 * 256 * 3072 + 3072))
