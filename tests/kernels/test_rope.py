@@ -1,0 +1,285 @@
+"""kprof.kernels.rope against its reference and against transformers' apply_rotary_pos_emb.
+
+Shapes cross the kernel's regimes: a single head/position, GQA (Hq != Hk), head counts that
+are not powers of two, a half-dim that is not a power of two (D=6), half-dims wider than one
+block (D=1024 loops over 4 blocks of 128; D=65536 over 256: on the CPU only once, in
+test_huge_head_dim, as the interpreter needs seconds per call), and the Llama/benchmark shapes
+(GPU only; the interpreter would take minutes).
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kprof.errors import KprofError
+from kprof.kernels import registry
+from kprof.kernels._common import assert_close
+from kprof.kernels.rope import SPEC, apply_rope, apply_rope_reference
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # for hypothesis tests (no fixtures there)
+gpu = pytest.mark.gpu
+
+# (B, Hq, Hk, S, D)
+SHAPES = [
+    (1, 1, 1, 1, 2),
+    (2, 4, 2, 5, 8),
+    (3, 7, 1, 9, 6),
+    (1, 2, 2, 3, 1024),
+    pytest.param((1, 1, 1, 1, 65536), marks=gpu),  # on the CPU: test_huge_head_dim, once
+    pytest.param((2, 32, 8, 64, 128), marks=gpu),
+    pytest.param((8, 32, 32, 2048, 128), marks=gpu),  # the benchmark shape
+    pytest.param((1, 40, 8, 333, 256), marks=gpu),
+]
+
+
+def _upcast(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float64 if t.dtype == torch.float32 else torch.float32)
+
+
+def _make(shape, dtype, device, unsqueeze_dim=1, cos_batch=None, hf_tables=False, seed=0):
+    """q, k in the layout of `unsqueeze_dim`, and cos/sin [cos_batch or B, S, D]."""
+    b, hq, hk, s, d = shape
+    g = torch.Generator().manual_seed(seed)
+    qs, ks = ((b, hq, s, d), (b, hk, s, d)) if unsqueeze_dim == 1 else ((b, s, hq, d), (b, s, hk, d))
+    q = torch.randn(qs, generator=g).to(device, dtype)
+    k = torch.randn(ks, generator=g).to(device, dtype)
+    cb = b if cos_batch is None else cos_batch
+    if hf_tables:  # what HF's rotary embedding builds: both halves equal
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).double() / d))
+        pos = torch.arange(s).double()[None, :, None] + torch.arange(cb).double()[:, None, None]
+        emb = torch.cat([pos * inv_freq, pos * inv_freq], dim=-1)
+        cos, sin = emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+    else:  # arbitrary tables (halves differ): checks the general formula and its transpose
+        cos = torch.randn(cb, s, d, generator=g).to(device, dtype)
+        sin = torch.randn(cb, s, d, generator=g).to(device, dtype)
+    return q, k, cos, sin
+
+
+def _check(q, k, cos, sin, unsqueeze_dim=1, **kw):
+    """Forward and backward of the kernel vs the upcast reference; returns the outputs."""
+    q = q.detach().requires_grad_()  # detach keeps strides
+    k = k.detach().requires_grad_()
+    q_in, k_in = q.detach().clone(), k.detach().clone()
+    qo, ko = apply_rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, **kw)
+    dqo, dko = torch.randn_like(qo), torch.randn_like(ko)
+    torch.autograd.backward((qo, ko), (dqo, dko))
+    qr, kr = _upcast(q.detach()).requires_grad_(), _upcast(k.detach()).requires_grad_()
+    qro, kro = apply_rope_reference(qr, kr, _upcast(cos), _upcast(sin), unsqueeze_dim=unsqueeze_dim, **kw)
+    torch.autograd.backward((qro, kro), (_upcast(dqo), _upcast(dko)))
+    out_dtype = torch.promote_types(q.dtype, cos.dtype)
+    assert qo.shape == q.shape and ko.shape == k.shape
+    assert qo.dtype == out_dtype and ko.dtype == out_dtype
+    assert q.grad.dtype == q.dtype and k.grad.dtype == k.dtype
+    assert_close(qo, qro, out_dtype, msg="q_embed")
+    assert_close(ko, kro, out_dtype, msg="k_embed")
+    assert_close(q.grad, qr.grad, q.dtype, msg="dq")
+    assert_close(k.grad, kr.grad, k.dtype, msg="dk")
+    assert torch.equal(q.detach(), q_in) and torch.equal(k.detach(), k_in)  # inputs untouched
+    return qo, ko
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_matches_reference(shape, dtype, unsqueeze_dim, device):
+    _check(*_make(shape, dtype, device, unsqueeze_dim), unsqueeze_dim=unsqueeze_dim)
+
+
+def test_huge_head_dim(device):
+    """head_dim 65536 (half 32768 = 256 blocks of 128) loops instead of erroring."""
+    _check(*_make((1, 1, 2, 1, 65536), torch.bfloat16, device))
+
+
+@pytest.mark.parametrize("cos_form", ["B", "1", "2d"])
+def test_cos_broadcast(cos_form, device):
+    q, k, cos, sin = _make((2, 4, 2, 5, 8), torch.float32, device, cos_batch=1 if cos_form != "B" else None)
+    if cos_form == "2d":
+        cos, sin = cos[0], sin[0]  # [S, D]
+    _check(q, k, cos, sin)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_matches_transformers(dtype, unsqueeze_dim, device):
+    """Same numbers as HF's own function on HF-style tables (HF rounds after each op in half
+    precision; the kernel rounds once, so compare against HF run in fp64)."""
+    hf = pytest.importorskip("transformers.models.llama.modeling_llama")
+    q, k, cos, sin = _make((2, 4, 2, 7, 16), dtype, device, unsqueeze_dim, cos_batch=1, hf_tables=True)
+    qo, ko = apply_rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    qh, kh = hf.apply_rotary_pos_emb(q.double(), k.double(), cos.double(), sin.double(), unsqueeze_dim=unsqueeze_dim)
+    assert_close(qo, qh, dtype)
+    assert_close(ko, kh, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("view", ["transposed_projection", "fused_qkv_slice", "last_dim_strided"])
+def test_non_contiguous(view, dtype, device):
+    b, hq, hk, s, d = 2, 4, 2, 6, 8
+    torch.manual_seed(1)
+    if view == "transposed_projection":  # proj(x).view(B, S, H, D).transpose(1, 2)
+        q = torch.randn(b, s, hq * d, device=device).to(dtype).view(b, s, hq, d).transpose(1, 2)
+        k = torch.randn(b, s, hk * d, device=device).to(dtype).view(b, s, hk, d).transpose(1, 2)
+    elif view == "fused_qkv_slice":  # qkv = proj(x); q, k = slices of it
+        qkv = torch.randn(b, s, (hq + 2 * hk) * d, device=device).to(dtype)
+        q = qkv[..., : hq * d].view(b, s, hq, d).transpose(1, 2)
+        k = qkv[..., hq * d : (hq + hk) * d].view(b, s, hk, d).transpose(1, 2)
+    else:  # head_dim not unit-stride: the one layout that is copied
+        q = torch.randn(b, hq, d, s, device=device).to(dtype).transpose(-1, -2)
+        k = torch.randn(b, hk, d, s, device=device).to(dtype).transpose(-1, -2)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    _, _, cos, sin = _make((b, hq, hk, s, d), dtype, device)
+    qo, ko = _check(q, k, cos, sin)
+    if view == "transposed_projection":  # output keeps q's memory layout, as eager's q * cos does
+        assert qo.stride() == q.stride() and ko.stride() == k.stride()
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 2, 0, 8), (0, 4, 2, 5, 8)])
+def test_empty(shape, device):
+    q, k, cos, sin = _make(shape, torch.float32, device)
+    q.requires_grad_()
+    k.requires_grad_()
+    qo, ko = apply_rope(q, k, cos, sin)
+    assert qo.shape == q.shape and ko.shape == k.shape
+    (qo.sum() + ko.sum()).backward()
+    assert q.grad.shape == q.shape
+
+
+def test_promotes_like_eager(device):
+    """fp32 cos with bf16 q: eager's q * cos is fp32, so is the kernel's output; grads are bf16."""
+    q, k, _, _ = _make((1, 2, 1, 3, 8), torch.bfloat16, device)
+    _, _, cos, sin = _make((1, 2, 1, 3, 8), torch.float32, device)
+    qo, _ = _check(q, k, cos, sin)
+    assert qo.dtype == torch.float32
+
+
+def test_position_ids_compat(device):
+    """position_ids is ignored (as in transformers 4.4x); an int there is unsqueeze_dim (transformers 5)."""
+    q, k, cos, sin = _make((1, 3, 1, 4, 8), torch.float32, device, unsqueeze_dim=2)
+    expected = apply_rope_reference(q, k, cos, sin, unsqueeze_dim=2)
+    for got in (apply_rope(q, k, cos, sin, 2), apply_rope(q, k, cos, sin, torch.arange(4), 2)):
+        assert_close(got[0], expected[0])
+        assert_close(got[1], expected[1])
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    b=st.integers(1, 3),
+    hq=st.integers(1, 6),
+    hk=st.integers(1, 6),
+    s=st.integers(1, 7),
+    half=st.integers(1, 40),
+    unsqueeze_dim=st.sampled_from([1, 2]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_property_random_shapes(b, hq, hk, s, half, unsqueeze_dim, dtype, seed):
+    q, k, cos, sin = _make((b, hq, hk, s, 2 * half), dtype, DEVICE, unsqueeze_dim, seed=seed)
+    _check(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+
+def test_backward_is_inverse_rotation(device):
+    """With HF tables (cos^2 + sin^2 = 1) the backward is the inverse rotation: bwd(fwd(x)) == x."""
+    from kprof.kernels.rope import rope_bwd_op, rope_fwd_op
+
+    q, k, cos, sin = _make((2, 3, 1, 5, 16), torch.float32, device, hf_tables=True)
+    qo, ko = rope_fwd_op(q, k, cos, sin, 1)
+    qb, kb = rope_bwd_op(qo, ko, cos, sin, 1)
+    assert_close(qb, q)
+    assert_close(kb, k)
+
+
+def test_deterministic(device):
+    q, k, cos, sin = _make((2, 4, 2, 5, 64), torch.bfloat16, device)
+    q.requires_grad_()
+    k.requires_grad_()
+    outs = []
+    for _ in range(2):
+        q.grad = k.grad = None
+        qo, ko = apply_rope(q, k, cos, sin)
+        (qo.float().square().sum() + ko.float().sum()).backward()
+        outs.append([t.detach().clone() for t in (qo, ko, q.grad, k.grad)])
+    assert SPEC.deterministic
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def test_torch_compile_no_graph_break(device):
+    q, k, cos, sin = _make((2, 4, 2, 5, 8), torch.float32, device, unsqueeze_dim=2)
+    q.requires_grad_()
+    k.requires_grad_()
+
+    def attn_inputs(q, k, cos, sin):
+        qe, ke = apply_rope(q, k, cos, sin, unsqueeze_dim=2)
+        return qe * 2.0, ke + 1.0
+
+    compiled = torch.compile(attn_inputs, backend="aot_eager", fullgraph=True)
+    qc, kc = compiled(q, k, cos, sin)
+    (qc.sum() + (kc * kc).sum()).backward()
+    grads_c = (q.grad.clone(), k.grad.clone())
+    q.grad = k.grad = None
+    qe, ke = attn_inputs(q, k, cos, sin)
+    (qe.sum() + (ke * ke).sum()).backward()
+    assert_close(qc, qe)
+    assert_close(kc, ke)
+    assert_close(grads_c[0], q.grad)
+    assert_close(grads_c[1], k.grad)
+
+
+def test_fallback_without_triton(monkeypatch):
+    from kprof.kernels import _common
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(_common, "_warned", set())
+    q, k, cos, sin = _make((1, 2, 1, 3, 8), torch.float32, "cpu")
+    with pytest.warns(UserWarning, match="rope.*reference"):
+        qo, ko = apply_rope(q, k, cos, sin)
+    qr, kr = apply_rope_reference(q, k, cos, sin)
+    assert torch.equal(qo, qr) and torch.equal(ko, kr)
+
+
+def _bad(device, **over):
+    q, k, cos, sin = _make((2, 4, 2, 5, 8), torch.float32, device)
+    args = dict(q=q, k=k, cos=cos, sin=sin)
+    args.update({name: f(args) for name, f in over.items()})
+    return args
+
+
+@pytest.mark.parametrize(
+    "over, match",
+    [
+        (dict(q=lambda a: a["q"][0]), "q must be 4-D"),
+        (dict(q=lambda a: a["q"].int()), "share one dtype"),
+        (dict(k=lambda a: a["k"].half()), "share one dtype"),
+        (dict(sin=lambda a: a["sin"].double()), "cos and sin must share"),
+        (dict(k=lambda a: a["k"][:, :, :4]), "differ in batch, seq or head_dim"),
+        (dict(q=lambda a: a["q"][..., :7], k=lambda a: a["k"][..., :7]), "head_dim must be even"),
+        (dict(cos=lambda a: a["cos"][:, :, :4], sin=lambda a: a["sin"][:, :, :4]), "cos/sin must be"),
+        (dict(cos=lambda a: a["cos"][:, :3], sin=lambda a: a["sin"][:, :3]), "cos/sin must be"),
+        (dict(sin=lambda a: a["sin"][:1]), "differ in shape"),
+        (dict(cos=lambda a: a["cos"][None], sin=lambda a: a["sin"][None]), "cos/sin must be"),
+    ],
+)
+def test_bad_input(over, match, device):
+    with pytest.raises(KprofError, match=match):
+        apply_rope(**_bad(device, **over))
+
+
+def test_bad_unsqueeze_dim(device):
+    with pytest.raises(KprofError, match="unsqueeze_dim must be 1"):
+        apply_rope(**_bad(device), unsqueeze_dim=0)
+
+
+def test_cost_model():
+    c = SPEC.cost(batch=8, seq=2048, n_q_heads=32, n_kv_heads=32, head_dim=128, dtype=torch.bfloat16)
+    qk = 2 * 8 * 32 * 2048 * 128  # elements of q and k
+    cos_sin = 2 * 2048 * 128 * 2  # [1, S, D] cos and sin, bf16
+    assert c["fwd"].bytes == 2 * qk * 2 + cos_sin and c["bwd"] == c["fwd"]
+    assert c["fwd"].flops == 3 * qk
+    m = registry.TensorMeta
+    metas = [m((2, 8, 16, 64), torch.bfloat16), m((2, 2, 16, 64), torch.bfloat16),
+             m((2, 16, 64), torch.float32), m((2, 16, 64), torch.float32)]
+    n = 2 * 8 * 16 * 64 + 2 * 2 * 16 * 64
+    assert registry.op_cost("kprof::rope_fwd", metas) == (3 * n, 2 * n * 2 + 2 * 2 * 16 * 64 * 4)
+    assert registry.op_cost("kprof::rope_bwd", metas) == registry.op_cost("kprof::rope_fwd", metas)
+    assert registry.get("rope") is SPEC
