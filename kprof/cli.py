@@ -51,33 +51,41 @@ class StepMode(str, Enum):
     forward = "forward"
 
 
-PHASES = {"warmup": "warmup (not timed)", "timing": "timed steps", "profiling": "profiled steps"}
+# The runner's phases, in order (kprof/runner.py: run_script's progress events).
+PHASES = {"warmup": "warmup (untimed)", "timing": "timed steps", "profiler-warmup": "profiler warm-up",
+          "profiling": "profiled steps"}
 
 
 class _LiveProgress:
     """Adapts the runner's progress(event, **info) callback to a rich display: one step counter
     per phase while the script runs, then a spinner for the analysis."""
 
-    def __init__(self, progress: Progress, warmup: int, steps: int):
+    def __init__(self, progress: Progress):
         self.p = progress
-        totals = {"warmup": warmup, "timing": steps, "profiling": steps}
-        self.tasks = {ph: progress.add_task(label, total=totals[ph] or None, visible=False)
-                      for ph, label in PHASES.items()}
-        self.spinner = None
+        self.tasks: dict[str, int] = {}  # phase -> rich task id
+        self.totals: dict[str, int] = {}
+        self.spinner: int | None = None
 
     def __call__(self, event: str, **info) -> None:
-        phase = info.get("phase", event)
-        if phase in self.tasks:
-            task = self.tasks[phase]
-            done = info.get("step")
-            # `step` is the 0-based index within the phase of the step that just finished
-            self.p.update(task, visible=True, completed=(done + 1) if isinstance(done, int) else None)
-            if not isinstance(done, int):
-                self.p.advance(task)
-        elif event in ("analysis", "save"):
-            for t in self.tasks.values():
-                self.p.stop_task(t)
-            label = "analysing the trace" if event == "analysis" else "saving the run"
+        if event == "mode":
+            self.p.console.print(Text(f"kprof: one step = {info.get('step_definition')}", style="dim"))
+        elif event == "step":
+            # A "step" event marks the boundary where step `index` of `phase` begins, so `index`
+            # steps of that phase are done and every earlier phase is complete.
+            phase, index, total = info.get("phase"), info.get("index", 0), info.get("total")
+            order = list(PHASES)
+            done_phases = order if phase == "done" else order[: order.index(phase)] if phase in order else []
+            for ph in done_phases:
+                if ph in self.tasks:
+                    self.p.update(self.tasks[ph], completed=self.totals[ph])
+            if phase in PHASES and total:
+                if phase not in self.tasks:
+                    self.tasks[phase] = self.p.add_task(PHASES[phase], total=total)
+                self.totals[phase] = total
+                self.p.update(self.tasks[phase], completed=index, total=total)
+        elif event in ("export", "analysis", "save"):
+            label = {"export": "exporting the trace", "analysis": "analysing the trace",
+                     "save": "saving the run"}[event]
             if self.spinner is None:
                 self.spinner = self.p.add_task(label, total=None)
             else:
@@ -85,7 +93,7 @@ class _LiveProgress:
 
 
 @contextmanager
-def _live(warmup: int, steps: int) -> Iterator[_LiveProgress | None]:
+def _live() -> Iterator[_LiveProgress | None]:
     # The live display goes to stderr so piped stdout stays the script's output plus the report.
     if not err_console.is_terminal:
         yield None
@@ -94,7 +102,7 @@ def _live(warmup: int, steps: int) -> Iterator[_LiveProgress | None]:
                TimeElapsedColumn())
     with Progress(*columns, console=err_console, transient=True, redirect_stdout=True,
                   redirect_stderr=True) as p:
-        yield _LiveProgress(p, warmup, steps)
+        yield _LiveProgress(p)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": False})
@@ -119,7 +127,7 @@ def profile(
     argv = list(ctx.args)
     if not script.is_file():
         raise KprofError(f"script {script} not found (kprof profile takes a path to a Python file)", exit_code=2)
-    with _live(warmup, steps) as live:
+    with _live() as live:
         run = profile_script(str(script), argv, warmup=warmup, steps=steps, run_to_end=run_to_end,
                              step_mode=step.value, out_root=out, progress=live)
     report.render(run.summary, run.path, console)

@@ -85,10 +85,7 @@ def _nothing_recorded(raw) -> str:
                 f"{(raw.error or '').rstrip()}")
     if raw.status == "interrupted":
         return "interrupted before any step was recorded; nothing was saved"
-    seen = f"{raw.step_definition} steps" if raw.step_definition else "steps"
-    return (f"{raw.script} finished after {raw.warmup} warmup and fewer than "
-            f"{raw.warmup + raw.steps + 1} {seen}, so no step was recorded. Run it for more steps "
-            f"(it needs warmup + 2 x steps = {raw.warmup + 2 * raw.steps}) or lower --warmup/--steps.")
+    return f"no step was recorded, so nothing was saved: {raw.message or raw.status}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -141,7 +138,8 @@ def build_summary(raw, a: dict) -> dict[str, Any]:
         "script": raw.script,
         "argv": list(raw.argv),
         "status": raw.status,
-        "status_note": _status_note(raw),
+        "status_note": raw.message or "",
+        "warnings": list(raw.warnings),
         "error": raw.error,
         "exit_code": raw.exit_code,
         "device": dev,
@@ -160,8 +158,7 @@ def build_summary(raw, a: dict) -> dict[str, Any]:
         "tokens_per_step": raw.tokens_per_step,
         "tokens_per_s": tokens_per_s,
         "peak_memory_bytes": raw.peak_memory_bytes,
-        "peak_memory_kind": ("torch.cuda.max_memory_allocated over the recorded steps"
-                             if dev.get("type") == "cuda" else "process peak RSS (CPU run)"),
+        "peak_memory_kind": raw.peak_memory_label or "",
         "busy_pct": busy,
         "coverage_pct": 100.0 * a["coverage"] if a["coverage"] is not None else None,
         "class_breakdown": classes,
@@ -178,17 +175,6 @@ def _stats(analysis, times: list[float]) -> dict | None:
         return None
     s = analysis.step_stats(times)
     return dict(s) | {"n": len(times)}
-
-
-def _status_note(raw) -> str:
-    return {
-        "stopped": f"kprof stopped the script after the {raw.steps_recorded} recorded steps "
-                   "(pass --run-to-end to let it finish)",
-        "completed": "" if raw.steps_recorded >= raw.steps else
-                     f"the script ended after {raw.steps_recorded} of {raw.steps} recorded steps",
-        "error": "the script raised; this is a partial profile of the steps recorded before that",
-        "interrupted": "interrupted; this is a partial profile of the steps recorded before that",
-    }.get(raw.status, "")
 
 
 def _records(df: pd.DataFrame | None) -> list[dict]:
