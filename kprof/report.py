@@ -91,7 +91,10 @@ def header(summary: dict, run_path: Path | None) -> Panel:
               + Text(f"  {summary.get('status_note') or ''}", style="dim"))
     dev_line = f"{dev.get('name', '?')}"
     if dev.get("type") == "cuda":
-        dev_line += f"  (sm_{''.join(str(c) for c in dev.get('capability') or [])}, {dev.get('sm_count', '?')} SMs, {fmt_bytes(dev.get('total_memory'))})"
+        cap = str(dev.get("capability") or "?").replace(".", "")  # "9.0" -> sm_90
+        dev_line += f"  (sm_{cap}, {dev.get('sm_count', '?')} SMs, {fmt_bytes(dev.get('total_memory'))})"
+    elif dev.get("type") == "cpu":
+        dev_line += f"  (CPU, {dev.get('cpu_count', '?')} cores)"
     g.add_row("device", dev_line)
     if ceil:
         origin = ceil.get("source", "?")

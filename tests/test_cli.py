@@ -42,7 +42,7 @@ def kprof_cli(capsys, *args: str) -> tuple[int, str, str]:
 SUMMARY = {
     "script": "train.py", "argv": ["--lr", "1"], "status": "stopped", "status_note": "stopped after 5",
     "error": None, "exit_code": 0,
-    "device": {"type": "cuda", "name": "NVIDIA H200", "capability": [9, 0], "sm_count": 132,
+    "device": {"type": "cuda", "name": "NVIDIA H200", "capability": "9.0", "sm_count": 132,
                "total_memory": 150 * 2**30},
     "ceilings": {"device": "NVIDIA H200", "mem_bw (GB/s)": 4800.0, "peak_tflops": {"bf16": 989.0, "fp32": 67.0},
                  "latency_us": 4.0, "source": "datasheet: NVIDIA H200 datasheet"},
@@ -100,7 +100,7 @@ def test_profile_passes_arguments_and_renders(capsys, monkeypatch, tmp_path):
         warmup=1, steps=2, run_to_end=False, step_mode="forward", out_root=tmp_path / "runs")
 
     # header
-    assert "NVIDIA H200" in out and "datasheet: NVIDIA H200 datasheet" in out
+    assert "NVIDIA H200  (sm_90, 132 SMs, 150.00 GiB)" in out and "datasheet: NVIDIA H200 datasheet" in out
     assert "optimizer.step (AdamW)" in out
     assert re.search(r"10\.0 ms median ± 0\.25", out) and "p10-p90" in out
     assert "GPU busy 91.5%" in out and "3.00 GiB peak" in out and "+20% vs unprofiled" in out
