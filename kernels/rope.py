@@ -306,6 +306,11 @@ def apply_rope(
     and sin get no gradient (HF computes them from a buffer without grad).
     """
     unsqueeze_dim = _normalize(q, k, cos, sin, position_ids, unsqueeze_dim)
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        raise KprofError(
+            "apply_rope: cos/sin require grad, but the kernel gives them none (HF builds them under no_grad); "
+            "pass cos.detach(), sin.detach(), or use apply_rope_reference if they are learned"
+        )
     if use_triton(q):
         return RopeFunction.apply(q, k, cos, sin, unsqueeze_dim)
     warn_fallback("rope", f"no Triton for tensors on {q.device} (set TRITON_INTERPRET=1 for the interpreter)")

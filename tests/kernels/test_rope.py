@@ -265,6 +265,15 @@ def test_bad_input(over, match, device):
         apply_rope(**_bad(device, **over))
 
 
+def test_cos_requiring_grad_is_refused(device):
+    args = _bad(device)
+    args["cos"].requires_grad_()
+    with pytest.raises(KprofError, match="no grad|none"):
+        apply_rope(**args)
+    with torch.no_grad():  # no autograd, nothing lost
+        apply_rope(**args)
+
+
 def test_bad_unsqueeze_dim(device):
     with pytest.raises(KprofError, match="unsqueeze_dim must be 1"):
         apply_rope(**_bad(device), unsqueeze_dim=0)

@@ -1,0 +1,158 @@
+"""Benchmark cases: fused softmax (plain and scaled+masked+causal) and RoPE (q, k in one launch).
+
+Shapes and targets from the issue (H200, bf16). Floors at the measured 4.27 TB/s copy bandwidth:
+- softmax x 16384x8192 (268 MB): fwd read x + write y = 537 MB -> 126 us; bwd read y, dy +
+  write dx = 805 MB -> 189 us; fwd+bwd 314 us. Targets fwd <= 140, fwd+bwd <= 350 (torch.compile
+  was measured at 309 / 494 us).
+- RoPE q, k both [8, 32, 2048, 128] (134 MB each): fwd read q, k + write both = 537 MB (+ 1 MB
+  of cos/sin) -> 126 us; bwd the same; fwd+bwd 251 us. Targets fwd <= 140, fwd+bwd <= 300
+  (torch.compile 139 / 616 us).
+The extra cases (masked causal attention scores, GQA RoPE on transposed projection views) are
+not in the issue and carry no target; they show the paths real models take.
+
+Eager peers are what users run today: HF's eager attention softmax
+(`softmax(scores, dim=-1, dtype=float32).to(dtype)`), the hand-written masked pattern
+(`scores * scale`, `masked_fill(~mask, -inf)`, softmax), and transformers' apply_rotary_pos_emb
+formula (written out here so the peer is exactly that code, not a hub kernel it may dispatch to).
+Liger has a plain softmax (no scale/mask) and `liger_rotary_pos_emb`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.cases import Case
+from kprof.kernels import rope as _rope
+from kprof.kernels import softmax as _softmax
+
+_SM_ROWS, _SM_COLS = 16384, 8192
+# Masked case: attention scores [B, H, L, L] with right padding per sequence (268 MB in bf16).
+_AB, _AH, _AL = 4, 32, 1024
+_RB, _RH, _RS, _RD = 8, 32, 2048, 128
+_RH_KV = 8  # GQA case: Llama-3-8B's 32 query heads over 8 KV heads
+
+
+# --- inputs ---------------------------------------------------------------------------------
+
+
+def _softmax_inputs(device, dtype):
+    return {"x": torch.randn(_SM_ROWS, _SM_COLS, device=device, dtype=dtype, requires_grad=True)}
+
+
+def _masked_inputs(device, dtype):
+    scores = torch.randn(_AB, _AH, _AL, _AL, device=device, dtype=dtype) * 8  # pre-scale q.k magnitudes
+    lengths = torch.tensor([_AL, 3 * _AL // 4, _AL // 2, 17], device=device)  # key 0 always kept: no dead rows
+    keep = (torch.arange(_AL, device=device)[None, :] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    return {"x": scores.requires_grad_(), "scale": 128**-0.5, "mask": keep, "causal": True}
+
+
+def _hf_tables(device, dtype, seq, dim):
+    """cos/sin [1, S, D] as transformers' LlamaRotaryEmbedding builds them (theta 10000)."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    freqs = torch.arange(seq, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rope_inputs(device, dtype):
+    q = torch.randn(_RB, _RH, _RS, _RD, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(_RB, _RH, _RS, _RD, device=device, dtype=dtype, requires_grad=True)
+    cos, sin = _hf_tables(device, dtype, _RS, _RD)
+    return {"q": q, "k": k, "cos": cos, "sin": sin}
+
+
+def _rope_gqa_view_inputs(device, dtype):
+    # What attention layers pass: proj(x).view(B, S, H, D).transpose(1, 2), non-contiguous.
+    # detach() makes the transposed views leaves (same strides) so the harness sees their grads.
+    q = torch.randn(_RB, _RS, _RH, _RD, device=device, dtype=dtype).transpose(1, 2).detach().requires_grad_()
+    k = torch.randn(_RB, _RS, _RH_KV, _RD, device=device, dtype=dtype).transpose(1, 2).detach().requires_grad_()
+    cos, sin = _hf_tables(device, dtype, _RS, _RD)
+    return {"q": q, "k": k, "cos": cos, "sin": sin}
+
+
+# --- eager formulations ---------------------------------------------------------------------
+
+
+def _eager_softmax(x):
+    return F.softmax(x, dim=-1, dtype=torch.float32).to(x.dtype)  # HF eager_attention_forward
+
+
+def _eager_masked_softmax(x, scale, mask, causal):
+    # The hand-written attention pattern (nanoGPT style), then HF's fp32 softmax.
+    scores = x * scale
+    keep = mask & torch.ones(x.shape[-2], x.shape[-1], dtype=torch.bool, device=x.device).tril()
+    scores = scores.masked_fill(~keep, float("-inf"))
+    return F.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
+
+
+def _rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _eager_rope(q, k, cos, sin):
+    # transformers' apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+# --- Liger factories (imported lazily: this file must import without Liger) ------------------
+
+
+def _liger_softmax():
+    from liger_kernel.ops.softmax import LigerSoftmaxFunction
+
+    return lambda x: LigerSoftmaxFunction.apply(x)
+
+
+def _liger_rope():
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+    return lambda q, k, cos, sin: liger_rotary_pos_emb(q, k, cos, sin)
+
+
+_bf16 = torch.bfloat16
+
+CASES: list[Case] = [
+    Case(
+        kernel="softmax",
+        label=f"Softmax {_SM_ROWS}x{_SM_COLS}",
+        make_inputs=_softmax_inputs,
+        kprof=_softmax.softmax,
+        eager=_eager_softmax,
+        liger=_liger_softmax,
+        problem={"n_rows": _SM_ROWS, "n_cols": _SM_COLS, "dtype": _bf16},
+        targets_us={"fwd": 140, "fwdbwd": 350},  # issue; floor 126 / 314
+    ),
+    Case(
+        kernel="softmax",
+        label=f"Softmax scaled+padding mask+causal {_AB}x{_AH}x{_AL}x{_AL}",
+        make_inputs=_masked_inputs,
+        kprof=_softmax.softmax,
+        eager=_eager_masked_softmax,
+        liger=None,  # Liger's softmax has no scale or mask
+        problem={"n_rows": _AB * _AH * _AL, "n_cols": _AL, "dtype": _bf16, "mask_numel": _AB * _AL},
+    ),
+    Case(
+        kernel="rope",
+        label=f"RoPE q,k {_RB}x{_RH}x{_RS}x{_RD}",
+        make_inputs=_rope_inputs,
+        kprof=_rope.apply_rope,
+        eager=_eager_rope,
+        liger=_liger_rope,
+        problem={"batch": _RB, "seq": _RS, "n_q_heads": _RH, "n_kv_heads": _RH, "head_dim": _RD, "dtype": _bf16},
+        targets_us={"fwd": 140, "fwdbwd": 300},  # issue; floor 126 / 251
+    ),
+    Case(
+        kernel="rope",
+        label=f"RoPE GQA q {_RB}x{_RH}, k {_RB}x{_RH_KV} x{_RS}x{_RD}, transposed [B,S,H,D] views",
+        make_inputs=_rope_gqa_view_inputs,
+        kprof=_rope.apply_rope,
+        eager=_eager_rope,
+        liger=_liger_rope,
+        problem={"batch": _RB, "seq": _RS, "n_q_heads": _RH, "n_kv_heads": _RH_KV, "head_dim": _RD, "dtype": _bf16},
+    ),
+]
