@@ -1,0 +1,387 @@
+"""kprof.runner on the planted scripts in tests/profile/scripts (tiny models, a few steps each).
+
+The scripts pick CUDA when it exists, so the same tests check a GPU run on the H200; the
+`gpu`-marked tests at the end check what only a GPU run has (CUDA events, kernels, real syncs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.optim import optimizer as optim_module
+
+from kprof.errors import KprofError
+from kprof.runner import (
+    AUTO_FORWARD_AFTER_CALLS,
+    MODULE_RANGE_PREFIX,
+    PARTIAL_STEP_RANGE_PREFIX,
+    PROFILER_WARMUP_STEPS,
+    STEP_RANGE_PREFIX,
+    RunConfig,
+    run_script,
+)
+
+SCRIPTS = Path(__file__).parent / "scripts"
+TINYLM_PATHS = {"": "TinyLM", "embed": "Embedding", "mlp": "MLP", "mlp.up": "Linear", "mlp.act": "GELU", "mlp.down": "Linear", "head": "Linear"}
+TOKENS = 4 * 8  # tinylm.BATCH * tinylm.SEQ
+
+
+def run(name: str, *argv: str, tmp_path: Path, **cfg):
+    cfg.setdefault("warmup", 1)
+    cfg.setdefault("steps", 3)
+    return run_script(str(SCRIPTS / name), list(argv), RunConfig(trace_dir=str(tmp_path), **cfg))
+
+
+def kprof_ranges(trace_path: str) -> list[dict]:
+    """The CPU-side kprof ranges (record_function user annotations) of an exported trace."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    return [
+        e for e in events
+        if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name", "").startswith("kprof.")
+    ]
+
+
+def line_of(script: str, marker: str) -> int:
+    lines = (SCRIPTS / script).read_text().splitlines()
+    return next(i for i, text in enumerate(lines, 1) if marker in text)
+
+
+def split_module_range(name: str) -> tuple[str, str]:
+    return tuple(name[len(MODULE_RANGE_PREFIX):].rsplit(":", 1))  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------- training loops
+def test_training_loop_steps_ranges_losses_and_cleanup(tmp_path):
+    hooks_before = (
+        dict(torch.nn.modules.module._global_forward_hooks),
+        dict(torch.nn.modules.module._global_forward_pre_hooks),
+        dict(optim_module._global_optimizer_post_hooks),
+    )
+    backward, opt_init, argv, path = torch.autograd.backward, torch.optim.Optimizer.__init__, list(sys.argv), list(sys.path)
+
+    r = run("train_mlp.py", tmp_path=tmp_path, warmup=2, steps=3)
+
+    assert r.status == "stopped" and r.exit_code == 0 and r.error is None
+    assert "stopped the script" in r.message
+    assert r.step_definition == "optimizer.step (AdamW)"
+    assert len(r.step_times_ms) == 3 and len(r.profiled_step_times_ms) == 3
+    assert all(t > 0 for t in r.step_times_ms + r.profiled_step_times_ms)
+    assert r.steps_recorded == 3 and r.steps_before_timing == 2
+    assert r.module_classes == TINYLM_PATHS
+    assert r.tokens_per_step == TOKENS
+    assert r.peak_memory_bytes and r.peak_memory_bytes > 0 and r.peak_memory_label
+    assert r.device["type"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert Path(r.trace_path).parent == tmp_path
+
+    # Steps run until the stop: 2 warm-up + 3 timed + 1 profiler warm-up + 3 recorded, and the
+    # losses are the ones the same loop computes without kprof.
+    n_steps = 2 + 3 + PROFILER_WARMUP_STEPS + 3
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        from tinylm import DEVICE, TinyLM, batch
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    torch.manual_seed(0)
+    model = TinyLM().to(DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    expected = []
+    for step in range(n_steps):
+        ids, labels = batch(step)
+        loss = model(input_ids=ids, labels=labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        expected.append(loss.item())
+    # Same ops in the same order; on CUDA the embedding backward's atomics may reorder sums.
+    assert r.losses == pytest.approx(expected, rel=1e-5)
+
+    ranges = kprof_ranges(r.trace_path)
+    steps = sorted((e for e in ranges if e["name"].startswith(STEP_RANGE_PREFIX)), key=lambda e: e["ts"])
+    assert [e["name"] for e in steps] == [f"{STEP_RANGE_PREFIX}{i}" for i in range(3)]
+    modules = [e for e in ranges if e["name"].startswith(MODULE_RANGE_PREFIX)]
+    # Every module forward once per recorded step, each inside a step range.
+    counts: dict[tuple[str, str], int] = {}
+    for e in modules:
+        key = split_module_range(e["name"])
+        counts[key] = counts.get(key, 0) + 1
+        assert any(s["ts"] <= e["ts"] and e["ts"] + e["dur"] <= s["ts"] + s["dur"] for s in steps), e["name"]
+    assert counts == {(p, c): 3 for p, c in TINYLM_PATHS.items()}
+    # Nesting: mlp.up's range sits inside mlp's range of the same step.
+    up = next(e for e in modules if split_module_range(e["name"])[0] == "mlp.up")
+    assert any(
+        split_module_range(e["name"])[0] == "mlp" and e["ts"] <= up["ts"] and up["ts"] + up["dur"] <= e["ts"] + e["dur"]
+        for e in modules
+    )
+
+    # Everything kprof installed is gone.
+    assert (
+        dict(torch.nn.modules.module._global_forward_hooks),
+        dict(torch.nn.modules.module._global_forward_pre_hooks),
+        dict(optim_module._global_optimizer_post_hooks),
+    ) == hooks_before
+    assert torch.autograd.backward is backward and torch.optim.Optimizer.__init__ is opt_init
+    assert sys.argv == argv and sys.path == path
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def test_item_sync_is_attributed_to_its_line_and_second_root_gets_a_prefix(tmp_path):
+    r = run("train_item.py", tmp_path=tmp_path, warmup=1, steps=2)
+    assert r.status == "stopped"
+    item = [s for s in r.syncs if s["kind"] == "Tensor.item"]
+    assert len(item) == 1, r.syncs
+    s = item[0]
+    assert s["file"] == str(SCRIPTS / "train_item.py")
+    assert s["line"] == line_of("train_item.py", "kprof-test: item-sync")
+    assert "loss.item()" in s["code"] and s["function"] == "<module>"
+    assert s["count"] == 2 and s["steps"] == [0, 1]  # once in each recorded step
+    assert s["would_sync_on_gpu"] is (not torch.cuda.is_available())
+    # AdamW's own .item() on its host-side step counter is not the user's sync.
+    assert not any("opt.step()" in x["code"] for x in r.syncs)
+    # The criterion is a second root: its path is prefixed with its class.
+    assert r.module_classes["CrossEntropyLoss"] == "CrossEntropyLoss"
+    names = {e["name"] for e in kprof_ranges(r.trace_path)}
+    assert f"{MODULE_RANGE_PREFIX}CrossEntropyLoss:CrossEntropyLoss" in names
+
+
+def test_except_exception_does_not_swallow_the_stop(tmp_path):
+    r = run("train_swallow.py", tmp_path=tmp_path, warmup=0, steps=2)
+    assert r.status == "stopped", (r.status, r.error)
+    assert r.steps_recorded == 2 and r.exit_code == 0
+
+
+def test_script_too_short_returns_what_was_recorded(tmp_path):
+    # The first optimizer step ends the one warm-up step; optimizer steps 2-4 end the timed
+    # steps, 5 the profiler warm-up, 6 recorded step #0. Step #1 would end at step 7: never.
+    r = run("train_mlp.py", "--iters", "6", tmp_path=tmp_path, warmup=1, steps=3)
+    assert r.status == "completed" and r.exit_code == 0
+    assert r.steps_recorded == 1
+    assert len(r.step_times_ms) == 3 and len(r.profiled_step_times_ms) == 1
+    assert "ended after 1 of 3 recorded steps" in r.message
+    assert len(r.losses) == 6
+    # The unfinished step is kept out of the trace's step ranges.
+    names = {e["name"] for e in kprof_ranges(r.trace_path)}
+    assert f"{STEP_RANGE_PREFIX}0" in names and f"{STEP_RANGE_PREFIX}1" not in names
+    assert f"{PARTIAL_STEP_RANGE_PREFIX}1" in names
+
+
+def test_run_to_end_keeps_all_losses(tmp_path):
+    r = run("train_mlp.py", "--iters", "12", tmp_path=tmp_path, warmup=1, steps=2, run_to_end=True)
+    assert r.status == "completed" and r.steps_recorded == 2
+    assert len(r.losses) == 12 and all(l == l for l in r.losses)  # no NaN: every step had a loss
+
+
+def test_forward_step_mode_on_a_training_script(tmp_path):
+    r = run("train_mlp.py", tmp_path=tmp_path, warmup=1, steps=2, step_mode="forward")
+    assert r.status == "stopped"
+    assert r.step_definition == "outermost forward (TinyLM)"
+    assert r.steps_recorded == 2 and r.tokens_per_step == TOKENS
+
+
+# --------------------------------------------------------------------------- inference loops
+def test_inference_loop_is_stepped_by_the_outermost_forward(tmp_path):
+    r = run("inference.py", tmp_path=tmp_path, warmup=1, steps=2)
+    assert r.status == "stopped"
+    assert r.step_definition == "outermost forward (TinyLM)"
+    # Auto mode waits AUTO_FORWARD_AFTER_CALLS calls for an optimizer step before deciding.
+    assert r.steps_before_timing == AUTO_FORWARD_AFTER_CALLS
+    assert r.steps_recorded == 2 and len(r.step_times_ms) == 2
+    assert r.losses == [] and r.tokens_per_step == TOKENS
+    counts: dict[str, int] = {}
+    for e in kprof_ranges(r.trace_path):
+        counts[e["name"]] = counts.get(e["name"], 0) + 1
+    assert counts[f"{MODULE_RANGE_PREFIX}:TinyLM"] == 2 and counts[f"{MODULE_RANGE_PREFIX}mlp.down:Linear"] == 2
+
+
+def test_inference_with_optimizer_mode_records_nothing(tmp_path):
+    r = run("inference.py", "--iters", "10", tmp_path=tmp_path, step_mode="optimizer")
+    assert r.status == "completed" and r.steps_recorded == 0 and r.trace_path is None
+    assert r.step_definition == "optimizer.step (not called)"
+    assert "ended after 0 of 3 recorded steps" in r.message
+
+
+# --------------------------------------------------------------------------- errors and exits
+def test_script_error_keeps_traceback_and_partial_profile(tmp_path):
+    # warmup 1 -> the first optimizer step counts as warm-up; recorded steps end at optimizer
+    # steps 6 and 7; the script raises right after the 7th, inside recorded step #2.
+    r = run("train_raises.py", "--raise-at", "7", tmp_path=tmp_path, warmup=1, steps=3)
+    assert r.status == "error" and r.exit_code == 1
+    assert "ValueError: planted failure at step 6" in r.error
+    assert f'"{SCRIPTS / "train_raises.py"}", line {line_of("train_raises.py", "kprof-test: raise")}' in r.error
+    assert "runpy" not in r.error and os.path.join("kprof", "runner.py") not in r.error
+    assert r.steps_recorded == 2 and r.trace_path is not None
+    names = {e["name"] for e in kprof_ranges(r.trace_path)}
+    assert {f"{STEP_RANGE_PREFIX}0", f"{STEP_RANGE_PREFIX}1", f"{PARTIAL_STEP_RANGE_PREFIX}2"} <= names
+    assert f"{STEP_RANGE_PREFIX}2" not in names
+
+
+def test_keyboard_interrupt_exports_what_was_collected(tmp_path):
+    r = run("train_raises.py", "--interrupt-at", "6", tmp_path=tmp_path, warmup=1, steps=3)
+    assert r.status == "interrupted" and r.exit_code == 130
+    assert r.steps_recorded == 1 and r.trace_path is not None
+    assert torch._C._len_torch_function_stack() == 0  # the sync detector was removed
+
+
+def test_sys_exit_zero_is_a_normal_end(tmp_path):
+    r = run("exit_zero.py", tmp_path=tmp_path)
+    assert r.status == "completed" and r.exit_code == 0 and r.error is None
+    assert r.steps_recorded == 0 and r.trace_path is None
+    assert len(r.losses) == 3  # the script's three optimizer steps, even though too few to time
+
+
+def test_sys_exit_nonzero_is_an_error_with_that_code(tmp_path):
+    r = run("exit_three.py", tmp_path=tmp_path)
+    assert r.status == "error" and r.exit_code == 3
+    assert r.step_definition.startswith("none")
+
+
+def test_script_sees_its_own_argv_path_and_name(tmp_path):
+    out = tmp_path / "seen.json"
+    r = run("argv_echo.py", str(out), "--flag", tmp_path=tmp_path)
+    assert r.status == "completed"
+    seen = json.loads(out.read_text())
+    assert seen["argv"] == [str(SCRIPTS / "argv_echo.py"), str(out), "--flag"]
+    assert seen["path0"] == str(SCRIPTS) and seen["name"] == "__main__"
+
+
+@pytest.mark.parametrize(
+    "cfg, message",
+    [
+        (dict(steps=0), "--steps must be a positive integer"),
+        (dict(warmup=-1), "--warmup must be 0 or more"),
+        (dict(step_mode="epoch"), "unknown step mode"),
+    ],
+)
+def test_bad_config_is_a_usage_error(cfg, message, tmp_path):
+    with pytest.raises(KprofError, match=message) as e:
+        run_script(str(SCRIPTS / "train_mlp.py"), [], RunConfig(**cfg))
+    assert e.value.exit_code == 2
+
+
+def test_missing_script_and_folder_are_usage_errors(tmp_path):
+    with pytest.raises(KprofError, match="script not found") as e:
+        run_script(str(tmp_path / "nope.py"), [])
+    assert e.value.exit_code == 2
+    with pytest.raises(KprofError, match="is a folder") as e:
+        run_script(str(tmp_path), [])
+    assert e.value.exit_code == 2
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root can read any file")
+def test_unreadable_script_is_a_usage_error(tmp_path):
+    script = tmp_path / "secret.py"
+    script.write_text("print('hi')\n")
+    script.chmod(0)
+    with pytest.raises(KprofError, match="cannot read script") as e:
+        run_script(str(script), [])
+    assert e.value.exit_code == 2
+
+
+def test_syntax_error_is_reported_as_a_script_error(tmp_path):
+    script = tmp_path / "broken.py"
+    script.write_text("def f(:\n")
+    r = run_script(str(script), [], RunConfig())
+    assert r.status == "error" and r.exit_code == 1 and "SyntaxError" in r.error
+
+
+# --------------------------------------------------------------------------- hooks for kprof apply / the CLI
+def test_on_root_module_runs_once_before_the_first_forward_and_can_patch(tmp_path):
+    calls = []
+
+    def patch(root: nn.Module) -> None:
+        calls.append(type(root).__name__)
+        if type(root).__name__ == "TinyLM":
+            root.mlp.act = nn.ReLU()  # what `kprof apply` does, in miniature
+
+    r = run("train_item.py", tmp_path=tmp_path, warmup=1, steps=2, on_root_module=patch)
+    assert calls == ["TinyLM", "CrossEntropyLoss"]
+    assert r.module_classes["mlp.act"] == "ReLU"  # paths are taken after the patch
+    assert f"{MODULE_RANGE_PREFIX}mlp.act:ReLU" in {e["name"] for e in kprof_ranges(r.trace_path)}
+
+
+def test_on_root_module_failure_is_raised_after_cleanup(tmp_path):
+    def boom(root):
+        raise KprofError("cannot patch this model")
+
+    with pytest.raises(KprofError, match="cannot patch"):
+        run("train_swallow.py", tmp_path=tmp_path, on_root_module=boom)
+    assert not torch.nn.modules.module._global_forward_pre_hooks
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def test_progress_reports_every_boundary_in_order(tmp_path):
+    events = []
+    r = run_script(
+        str(SCRIPTS / "train_mlp.py"),
+        [],
+        RunConfig(warmup=2, steps=2, trace_dir=str(tmp_path)),
+        progress=lambda event, **info: events.append((event, info)),
+    )
+    assert r.status == "stopped"
+    assert events[0] == ("mode", {"step_definition": "optimizer.step (AdamW)", "reason": "optimizer.step() was called"})
+    phases = [info["phase"] for ev, info in events if ev == "step"]
+    # The first optimizer step ends warm-up step 0; then 1 more warm-up, 2 timed, 1 profiler
+    # warm-up, 2 recorded, done.
+    assert phases == ["warmup", "timing", "timing", "profiler-warmup", "profiling", "profiling", "done"]
+    assert events[-1][0] == "export" and events[-1][1]["path"] == r.trace_path
+
+
+def test_a_raising_progress_callback_is_dropped(tmp_path):
+    def bad(event, **info):
+        raise RuntimeError("display broke")
+
+    r = run_script(str(SCRIPTS / "train_mlp.py"), [], RunConfig(warmup=0, steps=1, trace_dir=str(tmp_path)), progress=bad)
+    assert r.status == "stopped" and any("display broke" in w for w in r.warnings)
+
+
+@pytest.mark.slow
+def test_torch_compile_model_does_not_crash(tmp_path):
+    # Dynamo tracing takes ~10 s on a busy 2-core CPU; backend "eager" needs no C++ compiler.
+    r = run("train_compiled.py", tmp_path=tmp_path, warmup=1, steps=2)
+    assert r.status == "stopped", r.error
+    assert r.step_definition == "optimizer.step (AdamW)" and r.steps_recorded == 2
+    # The compiled wrapper and the model share the root path; submodules run inside the
+    # compiled graph, where hooks do not fire, so only the root has ranges.
+    names = [e["name"] for e in kprof_ranges(r.trace_path)]
+    assert names.count(f"{MODULE_RANGE_PREFIX}:TinyLM") == 2
+    assert r.module_classes[""] == "TinyLM"
+    assert not r.warnings
+
+
+# --------------------------------------------------------------------------- GPU only
+@pytest.mark.gpu
+def test_gpu_run_times_with_cuda_events_and_sees_kernels_and_real_syncs(tmp_path):
+    r = run("train_item.py", tmp_path=tmp_path, warmup=2, steps=3)
+    assert r.device["type"] == "cuda" and r.device["sm_count"] > 0
+    assert r.peak_memory_label.startswith("torch.cuda.max_memory_allocated") and r.peak_memory_bytes > 0
+    item = [s for s in r.syncs if s["kind"] == "Tensor.item"]
+    assert len(item) == 1 and item[0]["real"] and not item[0]["would_sync_on_gpu"]
+    assert item[0]["count"] == 3
+    with open(r.trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    assert kernels, "no CUDA kernels in the trace"
+    gpu_steps = [e for e in events if e.get("cat") == "gpu_user_annotation" and e["name"].startswith(STEP_RANGE_PREFIX)]
+    assert len(gpu_steps) == 3
+
+
+@pytest.mark.gpu
+def test_gpu_cpu_tensor_item_is_not_a_sync(tmp_path):
+    script = tmp_path / "cpu_item.py"
+    script.write_text(
+        "import torch\n"
+        "m = torch.nn.Linear(4, 4).cuda()\n"
+        "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "for i in range(12):\n"
+        "    m(torch.randn(2, 4, device='cuda')).sum().backward()\n"
+        "    opt.step()\n"
+        "    torch.ones(()).item()\n"
+    )
+    r = run_script(str(script), [], RunConfig(warmup=1, steps=2, trace_dir=str(tmp_path)))
+    assert r.status == "stopped" and r.syncs == []
