@@ -292,3 +292,50 @@ def test_cost_model():
     assert registry.op_cost("kprof::rope_fwd", metas) == (3 * n, 2 * n * 2 + 2 * 2 * 16 * 64 * 4)
     assert registry.op_cost("kprof::rope_bwd", metas) == registry.op_cost("kprof::rope_fwd", metas)
     assert registry.get("rope") is SPEC
+
+
+def test_expanded_grads(device):
+    """`.sum().backward()` hands the backward stride-0 grads; they must be read correctly."""
+    q, k, cos, sin = _make((2, 3, 1, 4, 8), torch.float32, device)
+    q.requires_grad_()
+    k.requires_grad_()
+    qo, ko = apply_rope(q, k, cos, sin)
+    (qo.sum() + ko.sum()).backward()
+    qr, kr = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    qro, kro = apply_rope_reference(qr, kr, cos.double(), sin.double())
+    (qro.sum() + kro.sum()).backward()
+    assert_close(q.grad, qr.grad)
+    assert_close(k.grad, kr.grad)
+
+
+def test_patched_into_hf_llama(monkeypatch, device):
+    """A tiny HF Llama (GQA) with apply_rotary_pos_emb swapped for apply_rope: same loss, same grads."""
+    modeling_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = modeling_llama.LlamaForCausalLM(cfg).to(device)
+    ids = torch.randint(0, 64, (2, 7), device=device)
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    ref_loss, ref_grads = loss_and_grads()
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return apply_rope(*args, **kwargs)
+
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", counted)
+    loss, grads = loss_and_grads()
+    assert calls  # the model really ran the kernel
+    assert_close(loss, ref_loss)
+    for g, r in zip(grads, ref_grads):
+        assert_close(g, r)

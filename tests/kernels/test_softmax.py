@@ -293,3 +293,14 @@ def test_cost_model():
     assert registry.op_cost("kprof::softmax_fwd", [x]).bytes == 2 * 4 * 16 * 128 * 256 * 2
     assert registry.op_cost("kprof::softmax_bwd", [x, x]).bytes == 3 * 4 * 16 * 128 * 256 * 2
     assert registry.get("softmax") is SPEC
+
+
+def test_expanded_grad(device):
+    """`.sum().backward()` hands the backward a stride-0 dy; the result is ~0 (rows sum to 1)."""
+    x = torch.randn(5, 33, device=device, requires_grad=True)
+    (softmax(x, scale=2.0) * 3.0).sum().backward()  # dy = 3 everywhere: dx = 3 * 2 * y * (1 - 1)
+    g1 = x.grad.clone()
+    x.grad = None
+    softmax(x, scale=2.0).sum().backward()
+    assert_close(g1, torch.zeros_like(g1))
+    assert_close(x.grad, torch.zeros_like(x.grad))
