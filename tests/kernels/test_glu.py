@@ -208,6 +208,29 @@ def test_torch_compile_fullgraph(form, device):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
+def test_torch_compile_inductor_gpu(form):
+    """The default backend too: inductor keeps the custom op and fuses the code around it."""
+    torch._dynamo.reset()
+    _, fn, _, packed, kw = form
+    inputs = _make_inputs((256, 1024), torch.bfloat16, "cuda", packed)
+    dy = torch.randn(256, 1024, device="cuda").to(torch.bfloat16)
+
+    def model(*xs):
+        return fn(*[x * 1.5 for x in xs], **kw) * 2.0
+
+    compiled = torch.compile(model, fullgraph=True)
+    xs_c = [t.clone().requires_grad_() for t in inputs]
+    xs_e = [t.clone().requires_grad_() for t in inputs]
+    y_c, y_e = compiled(*xs_c), model(*xs_e)
+    y_c.backward(dy)
+    y_e.backward(dy)
+    assert_close(y_c, y_e)
+    for a, b in zip(xs_c, xs_e):
+        assert_close(a.grad, b.grad)
+
+
 def test_custom_ops_opcheck(device):
     """Fake (meta) kernels agree with the real ones on shapes/strides/dtypes; schemas are sound."""
     g = torch.randn(4, 24, device=device)
