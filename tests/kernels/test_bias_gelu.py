@@ -101,6 +101,14 @@ def test_noncontiguous(kind, dtype, device):
     _check(x, b, dy, "tanh")
 
 
+def test_broadcast_dy(device):
+    """y.sum().backward() hands the backward a stride-0 dy."""
+    torch.manual_seed(7)
+    x, b, _ = _inputs((6, 130), torch.float32, device)
+    dy = torch.full((1, 1), -1.25, device=device).expand(6, 130)
+    _check(x, b, dy, "tanh")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dbias_many_row_tiles_per_group(dtype, device):
     """Each backward program walks several row tiles and several groups write partial rows:
