@@ -125,8 +125,6 @@ def profile(
     from kprof.profile import profile_script
 
     argv = list(ctx.args)
-    if not script.is_file():
-        raise KprofError(f"script {script} not found (kprof profile takes a path to a Python file)", exit_code=2)
     with _live() as live:
         run = profile_script(str(script), argv, warmup=warmup, steps=steps, run_to_end=run_to_end,
                              step_mode=step.value, out_root=out, progress=live)

@@ -49,18 +49,14 @@ def profile_script(
     "interrupted"). If it fails before any step was recorded there is nothing to save and a
     KprofError carries the script's traceback.
     """
-    if steps <= 0:
-        raise KprofError(f"--steps must be at least 1 (got {steps})", exit_code=2)
-    if warmup < 0:
-        raise KprofError(f"--warmup can't be negative (got {warmup})", exit_code=2)
-    if step_mode not in ("auto", "optimizer", "forward"):
-        raise KprofError(f"--step must be auto, optimizer or forward (got {step_mode!r})", exit_code=2)
-    notify = progress or (lambda event, **info: None)
     from kprof.runner import RunConfig, run_script
+
+    notify = progress or (lambda event, **info: None)
 
     with tempfile.TemporaryDirectory(prefix="kprof-trace-") as trace_dir:
         cfg = RunConfig(warmup=warmup, steps=steps, run_to_end=run_to_end, step_mode=step_mode,
                         trace_dir=trace_dir, on_root_module=on_root_module)
+        # Raises KprofError (exit code 2) for a missing script or bad --steps/--warmup/--step.
         raw = run_script(script, list(argv or []), cfg, progress=progress)
 
         if not raw.steps_recorded or not raw.trace_path:
@@ -97,40 +93,42 @@ def analyse(raw) -> tuple[pd.DataFrame, dict]:
     from kprof import analysis, ceilings, costmodel, trace
 
     events = trace.load_trace(raw.trace_path)
-    ops = trace.op_table(events)
-    ops = costmodel.annotate(ops)
+    ops = costmodel.annotate(trace.op_table(events))
     ceil = ceilings.for_device(raw.device)
-    ops = analysis.roofline(ops, ceil)
+    # The runner doesn't record whether TF32 was allowed for fp32 matmuls; the roofline assumes
+    # PyTorch's default (off), so fp32 matmuls are held to the fp32 peak.
+    ops = analysis.roofline(ops, ceil, tf32=False)
     n = raw.steps_recorded
     idle = analysis.idle_by_step(trace.kernel_table(events), trace.step_windows(events))
     out = {
         "ceilings": ceil,
-        "class_breakdown": analysis.class_breakdown(ops, idle, n),
-        "top_ops": analysis.top_ops(ops, n, TOP_K),
-        "coverage": analysis.coverage(ops),
         "idle": idle,
+        "class_breakdown": analysis.class_breakdown(ops, idle, n),
+        "top_ops": analysis.top_ops(ops, n, TOP_K, ceilings=ceil, idle=idle),
+        "coverage": analysis.coverage(ops),
+        "step_time_ms": analysis.step_stats(raw.step_times_ms) if raw.step_times_ms else None,
+        "profiled_step_time_ms": (analysis.step_stats(raw.profiled_step_times_ms)
+                                  if raw.profiled_step_times_ms else None),
+        "overhead": analysis.overhead(raw.profiled_step_times_ms, raw.step_times_ms),
     }
     return ops, out
 
 
 def build_summary(raw, a: dict) -> dict[str, Any]:
-    from dataclasses import asdict, is_dataclass
-
-    from kprof import analysis
+    """summary.json: the raw run's facts plus the analysed sections (fields: see README)."""
+    from dataclasses import asdict
 
     dev = dict(raw.device or {})
-    ceil = a["ceilings"]
-    st = _stats(analysis, raw.step_times_ms)
-    pst = _stats(analysis, raw.profiled_step_times_ms)
+    st = a["step_time_ms"]
     tokens_per_s = None
     if raw.tokens_per_step and st and st.get("median"):
         tokens_per_s = raw.tokens_per_step / (st["median"] / 1e3)
-    overhead = None
-    if raw.step_times_ms and raw.profiled_step_times_ms:
-        overhead = 100.0 * analysis.overhead(raw.profiled_step_times_ms, raw.step_times_ms)
-    classes = _records(a["class_breakdown"])
-    idle_row = next((r for r in classes if r.get("class") == "idle"), None)
-    busy = None if idle_row is None or idle_row.get("% of step") is None else 100.0 - idle_row["% of step"]
+    idle = a["idle"]
+    # Busy share of the recorded steps' windows: on a GPU the time some kernel ran, on a CPU the
+    # time some op ran.
+    busy = None
+    if idle is not None and len(idle) and idle["window (us)"].sum() > 0:
+        busy = 100.0 * float(idle["busy (us)"].sum()) / float(idle["window (us)"].sum())
     return {
         "format": store.FORMAT,
         "kprof_version": kprof.__version__,
@@ -143,9 +141,10 @@ def build_summary(raw, a: dict) -> dict[str, Any]:
         "error": raw.error,
         "exit_code": raw.exit_code,
         "device": dev,
-        "versions": {k: dev.get(k) for k in ("torch", "triton", "cuda", "python")} | {"kprof": kprof.__version__,
-                                                                                      "platform": platform.platform()},
-        "ceilings": asdict(ceil) if is_dataclass(ceil) else dict(ceil),
+        "versions": {k: dev.get(k) for k in ("torch", "triton", "cuda", "python")}
+                    | {"kprof": kprof.__version__, "platform": platform.platform()},
+        "ceilings": asdict(a["ceilings"]),
+        "tf32_assumed": False,
         "step_definition": raw.step_definition,
         "warmup": raw.warmup,
         "steps": raw.steps,
@@ -153,28 +152,22 @@ def build_summary(raw, a: dict) -> dict[str, Any]:
         "step_times_ms": list(raw.step_times_ms),
         "profiled_step_times_ms": list(raw.profiled_step_times_ms),
         "step_time_ms": st,
-        "profiled_step_time_ms": pst,
-        "profiler_overhead_pct": overhead,
+        "profiled_step_time_ms": a["profiled_step_time_ms"],
+        "profiler_overhead_pct": None if a["overhead"] is None else 100.0 * a["overhead"],
         "tokens_per_step": raw.tokens_per_step,
         "tokens_per_s": tokens_per_s,
         "peak_memory_bytes": raw.peak_memory_bytes,
         "peak_memory_kind": raw.peak_memory_label or "",
         "busy_pct": busy,
-        "coverage_pct": 100.0 * a["coverage"] if a["coverage"] is not None else None,
-        "class_breakdown": classes,
+        "coverage_pct": None if a["coverage"] is None else 100.0 * a["coverage"],
+        "class_breakdown": _records(a["class_breakdown"]),
         "top_ops": _records(a["top_ops"]),
+        "idle_by_step": _records(idle),
         "syncs": list(raw.syncs),
         "losses": list(raw.losses),
         "module_classes": dict(raw.module_classes),
         "wall_time_s": raw.wall_time_s,
     }
-
-
-def _stats(analysis, times: list[float]) -> dict | None:
-    if not times:
-        return None
-    s = analysis.step_stats(times)
-    return dict(s) | {"n": len(times)}
 
 
 def _records(df: pd.DataFrame | None) -> list[dict]:

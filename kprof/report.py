@@ -86,7 +86,7 @@ def header(summary: dict, run_path: Path | None) -> Panel:
     g = Table.grid(padding=(0, 2))
     g.add_column(style="bold")
     g.add_column()
-    g.add_row("script", " ".join([summary.get("script", "?"), *summary.get("argv", [])]))
+    g.add_row("script", Text(" ".join([summary.get("script", "?"), *summary.get("argv", [])])))
     g.add_row("status", Text(f"{status}" + (f" (exit code {summary.get('exit_code')})" if status == "error" else ""), style=style)
               + Text(f"  {summary.get('status_note') or ''}", style="dim"))
     dev_line = f"{dev.get('name', '?')}"
@@ -97,10 +97,11 @@ def header(summary: dict, run_path: Path | None) -> Panel:
         dev_line += f"  (CPU, {dev.get('cpu_count', '?')} cores)"
     g.add_row("device", dev_line)
     if ceil:
-        origin = ceil.get("source", "?")
-        g.add_row("ceilings", f"{fmt_float(ceil.get('mem_bw (GB/s)'), 0)} GB/s, "
-                  + ", ".join(f"{k} {fmt_float(v, 1)} TFLOP/s" for k, v in _peaks(ceil))
-                  + f"  [dim]({origin})[/dim]")
+        line = Text(f"{fmt_float(ceil.get('mem_bw_gbs'), 0)} GB/s, "
+                    + ", ".join(f"{k} {fmt_float(v, 1)} TFLOP/s" for k, v in _peaks(ceil))
+                    + f", latency {fmt_float(ceil.get('latency_us'), 1)} us  ")
+        style = {"measured": "green", "datasheet": "", "default": "yellow", "unknown": "red"}.get(ceil.get("kind"), "")
+        g.add_row("ceilings", line + Text(f"({ceil.get('source', '?')})", style=style or "dim"))
     g.add_row("step", f"{summary.get('step_definition', '?')}: {summary.get('steps_recorded', 0)} recorded of "
               f"{summary.get('steps', '?')} requested, after {summary.get('warmup', '?')} warmup + "
               f"{len(summary.get('step_times_ms') or [])} timed")
@@ -122,6 +123,8 @@ def header(summary: dict, run_path: Path | None) -> Panel:
         g.add_row("coverage", f"{fmt_pct(summary['coverage_pct'])} of op time has a known FLOP/byte cost")
 
     parts: list[Any] = [g]
+    for w in [*(ceil.get("notes") or []), *(summary.get("warnings") or [])]:
+        parts.append(Text(f"note: {w}", style="yellow"))
     if _is_cpu(summary):
         parts.append(Text(
             "CPU run: op times are CPU self times and the roofline uses CPU ceilings. "

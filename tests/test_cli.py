@@ -44,8 +44,8 @@ SUMMARY = {
     "error": None, "exit_code": 0,
     "device": {"type": "cuda", "name": "NVIDIA H200", "capability": "9.0", "sm_count": 132,
                "total_memory": 150 * 2**30},
-    "ceilings": {"device": "NVIDIA H200", "mem_bw (GB/s)": 4800.0, "peak_tflops": {"bf16": 989.0, "fp32": 67.0},
-                 "latency_us": 4.0, "source": "datasheet: NVIDIA H200 datasheet"},
+    "ceilings": {"device": "NVIDIA H200", "mem_bw_gbs": 4800.0, "peak_tflops": {"bf16": 989.0, "fp32": 67.0},
+                 "latency_us": 4.0, "source": "datasheet: NVIDIA H200 datasheet", "kind": "datasheet", "notes": []},
     "step_definition": "optimizer.step (AdamW)", "warmup": 3, "steps": 5, "steps_recorded": 5,
     "step_times_ms": [10.0] * 5, "profiled_step_times_ms": [12.0] * 5,
     "step_time_ms": {"median": 10.0, "spread": 0.25, "spread_definition": "p10-p90", "n": 5},
@@ -101,6 +101,7 @@ def test_profile_passes_arguments_and_renders(capsys, monkeypatch, tmp_path):
 
     # header
     assert "NVIDIA H200  (sm_90, 132 SMs, 150.00 GiB)" in out and "datasheet: NVIDIA H200 datasheet" in out
+    assert "4,800 GB/s, fp32 67.0 TFLOP/s, bf16 989.0 TFLOP/s, latency 4.0 us" in out
     assert "optimizer.step (AdamW)" in out
     assert re.search(r"10\.0 ms median ± 0\.25", out) and "p10-p90" in out
     assert "GPU busy 91.5%" in out and "3.00 GiB peak" in out and "+20% vs unprofiled" in out
@@ -156,9 +157,9 @@ def test_report_errors_name_the_file(capsys, tmp_path):
 
 def test_usage_errors_exit_2(capsys, tmp_path):
     code, _, err = kprof_cli(capsys, "profile", tmp_path / "missing.py")
-    assert code == 2 and "missing.py not found" in err
+    assert code == 2 and "not found" in err and "missing.py" in err
     code, _, err = kprof_cli(capsys, "profile", GPT, "--steps", "0")
-    assert code == 2 and "--steps must be at least 1" in err
+    assert code == 2 and "--steps must be a positive integer" in err
     code, _, err = kprof_cli(capsys, "profile", GPT, "--warmup", "-1")
     assert code == 2 and "--warmup" in err
     code, _, _ = kprof_cli(capsys, "profile", GPT, "--step", "sometimes")
