@@ -1,0 +1,676 @@
+"""Cross-entropy over logits [N, V] whose forward also writes the gradient (one fused kernel).
+
+Eager `F.cross_entropy(logits.float(), target)` on bf16 logits 8192 x 128256 upcasts the logits
+(4.2 GB fp32), runs log_softmax (another 4.2 GB), and the backward reads them again: 13.5 ms and
+~10 GB extra on an H200. Here one kernel reads each row, computes the loss, and writes
+d loss / d logits in the same launch; the backward only scales that gradient by grad_output,
+and skips even that on the device when grad_output == 1 (the usual `loss.backward()`).
+
+Napkin math (H200, 4.27 TB/s measured copy bandwidth, 132 SMs, 50-60 MB L2), bf16 8192 x 128256:
+  logits read once   2.10 GB
+  grad written once  2.10 GB      -> floor 4.2 GB / 4.27 TB/s = 0.98 ms (target <= 1.15 ms)
+A row (128256 bf16 = 256 KB) cannot stay in one SM's registers, so each row is read twice: pass 1
+(online logsumexp over V in blocks), pass 2 (softmax - onehot, written as the gradient). The
+second read must come from L2, not HBM (it would cost 0.5 ms more). Two things keep it there:
+  - a persistent grid sized so that programs x row bytes ~ L2 size (`CEConfig.for_problem`); a
+    program's working set is on average half a row, so the live set is ~ half the L2;
+  - pass 2 walks the row backwards, so it first re-reads the blocks pass 1 read last (the ones
+    least likely to have been evicted), and pass 1's loads are marked evict_last, pass 2's
+    evict_first, the gradient stores streaming (.cs).
+Rows up to `CEConfig.single_block_max` columns are loaded once and kept in registers.
+These choices are not yet measured on the H200 (written without GPU access); `CEConfig` is the
+one place to tune them.
+
+Semantics match `F.cross_entropy` on fp32 logits: mean over non-ignored targets (all ignored ->
+nan, like torch), label smoothing as torch defines it (eps/V spread over all classes, ignored
+rows excluded), ignored rows get zero gradient. Extras: `z_loss` (PaLM, arXiv:2204.02311 sec. 5:
+adds z * logsumexp^2 per non-ignored token) and `softcap` (Gemma 2: logits -> c*tanh(logits/c)
+before the loss, gradient through the tanh).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kprof.errors import KprofError
+from kprof.kernels._common import use_triton, warn_fallback
+from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tanh(u):
+    # No libdevice tanh in the interpreter, so build it from exp. (1-e)/(1+e) with e = exp(-2|u|)
+    # loses relative precision as |u| -> 0 (1-e cancels), so below |u| = 1/16 use the odd Taylor
+    # series to u^5 (next term 17/315 u^7 < 2e-10 there); above, the fp32 relative error is
+    # <= ulp(1)/(1-e) ~ 5e-7 at |u| = 1/16 and shrinks with |u|.
+    au = tl.abs(u)
+    e = tl.exp(-2.0 * au)
+    big = (1.0 - e) / (1.0 + e)
+    u2 = au * au
+    small = au * (1.0 - u2 * (0.3333333333333333 - u2 * 0.13333333333333333))
+    t = tl.where(au < 0.0625, small, big)
+    return tl.where(u < 0.0, -t, t)
+
+
+@triton.jit
+def _ce_grad_block(z, t, offs, y, lse, p_coef, smooth_g, target_g, softcap_on: tl.constexpr):
+    # d loss / d z_j = softmax_j * (1 + 2 z_loss lse) - eps/V - (1 - eps) [j == y], all times the
+    # grad scale (folded into p_coef, smooth_g, target_g by the caller); then through the softcap:
+    # d z / d x = 1 - tanh^2(x / c).
+    g = tl.exp(z - lse) * p_coef - smooth_g
+    g = tl.where(offs == y, g - target_g, g)
+    if softcap_on:
+        g = g * (1.0 - t * t)
+    return g
+
+
+@triton.jit
+def _ce_fwd_kernel(
+    logits_ptr,
+    stride_l,  # row stride of logits; the last dim has unit stride
+    target_ptr,
+    grad_ptr,  # [n_rows, n_cols] with row stride stride_g; may be logits_ptr (in place)
+    stride_g,
+    loss_ptr,  # [n_rows] fp32 per-row loss (0 for ignored rows)
+    scale_ptr,  # fp32 gradient scale: one value (scale_stride 0) or one per row (scale_stride 1)
+    scale_stride,
+    n_rows,
+    n_cols,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr,  # n_cols <= BLOCK: load the row once and keep it in registers
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_progs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK)
+    n_blocks = tl.cdiv(n_cols, BLOCK)
+    # Persistent grid: each program walks rows pid, pid + n_progs, ... (see CEConfig).
+    for row in range(pid, n_rows, n_progs):
+        row64 = tl.zeros([], tl.int64) + row  # row * stride overflows int32 past 2^31 elements
+        x_row = logits_ptr + row64 * stride_l
+        g_row = grad_ptr + row64 * stride_g
+        y = tl.load(target_ptr + row).to(tl.int32)  # validated on the host: ignore_index or in [0, V)
+        if y == ignore_index:
+            tl.store(loss_ptr + row, 0.0)
+            if COMPUTE_GRAD:
+                for b in range(0, n_blocks):
+                    offs = b * BLOCK + cols
+                    tl.store(g_row + offs, tl.zeros([BLOCK], tl.float32).to(grad_ptr.dtype.element_ty), mask=offs < n_cols)
+        else:
+            # ---- pass 1: online logsumexp (and the sum of logits for label smoothing)
+            if SINGLE_BLOCK:
+                mask = cols < n_cols
+                x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+                t = x  # tanh(x / softcap) when softcapping; unused otherwise
+                if HAS_SOFTCAP:
+                    t = _tanh(x / softcap)
+                    x = softcap * t
+                z = tl.where(mask, x, float("-inf"))
+                m = tl.max(z, 0)
+                lse = m + tl.log(tl.sum(tl.exp(z - m), 0))
+                zsum = tl.sum(tl.where(mask, x, 0.0), 0)
+            else:
+                m = float("-inf")
+                d = 0.0
+                zsum = 0.0
+                for b in range(0, n_blocks):
+                    offs = b * BLOCK + cols
+                    mask = offs < n_cols
+                    x = tl.load(x_row + offs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                    if HAS_SOFTCAP:
+                        x = softcap * _tanh(x / softcap)
+                    z = tl.where(mask, x, float("-inf"))
+                    m_new = tl.maximum(m, tl.max(z, 0))
+                    d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+                    m = m_new
+                    if HAS_SMOOTHING:
+                        zsum += tl.sum(tl.where(mask, x, 0.0), 0)
+                lse = m + tl.log(d)
+
+            # ---- loss: lse - (1-eps) z_y - eps/V sum_j z_j  (+ z_loss lse^2)
+            z_y = tl.load(x_row + y).to(tl.float32)
+            if HAS_SOFTCAP:
+                z_y = softcap * _tanh(z_y / softcap)
+            if HAS_SMOOTHING:
+                loss = lse - (1.0 - label_smoothing) * z_y - (label_smoothing / n_cols) * zsum
+            else:
+                loss = lse - z_y
+            if HAS_Z_LOSS:
+                loss += z_loss * lse * lse
+            tl.store(loss_ptr + row, loss)
+
+            # ---- pass 2: the gradient, scaled
+            if COMPUTE_GRAD:
+                scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
+                p_coef = scale
+                if HAS_Z_LOSS:
+                    p_coef = scale * (1.0 + 2.0 * z_loss * lse)
+                smooth_g = 0.0
+                if HAS_SMOOTHING:
+                    smooth_g = scale * (label_smoothing / n_cols)
+                target_g = scale * (1.0 - label_smoothing)
+                if SINGLE_BLOCK:
+                    g = _ce_grad_block(x, t, cols, y, lse, p_coef, smooth_g, target_g, HAS_SOFTCAP)
+                    tl.store(g_row + cols, g.to(grad_ptr.dtype.element_ty), mask=cols < n_cols)
+                else:
+                    for i in range(0, n_blocks):
+                        offs = (n_blocks - 1 - i) * BLOCK + cols  # backwards: reuse what is still in L2
+                        mask = offs < n_cols
+                        x = tl.load(x_row + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                        t = x
+                        if HAS_SOFTCAP:
+                            t = _tanh(x / softcap)
+                            x = softcap * t
+                        g = _ce_grad_block(x, t, offs, y, lse, p_coef, smooth_g, target_g, HAS_SOFTCAP)
+                        tl.store(g_row + offs, g.to(grad_ptr.dtype.element_ty), mask=mask, cache_modifier=".cs")
+
+
+@triton.jit
+def _scale_kernel(
+    grad_ptr,  # contiguous [n_rows, n_cols]
+    scale_ptr,  # fp32: one value (SCALAR) or one per row
+    n_rows,
+    n_cols,
+    SCALAR: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # grad *= scale, in place, skipping tiles whose scale is exactly 1 on the device (no host sync:
+    # `loss.backward()` passes grad_output = 1, and then this launch moves no data).
+    pid = tl.program_id(0)
+    n_progs = tl.num_programs(0)
+    col_blocks = tl.cdiv(n_cols, BLOCK)
+    n_tiles = n_rows * col_blocks
+    cols = tl.arange(0, BLOCK)
+    if SCALAR:
+        s = tl.load(scale_ptr).to(tl.float32)
+        if s != 1.0:
+            for tile in range(pid, n_tiles, n_progs):
+                r = tl.zeros([], tl.int64) + tile // col_blocks
+                offs = (tile % col_blocks) * BLOCK + cols
+                mask = offs < n_cols
+                p = grad_ptr + r * n_cols + offs
+                g = tl.load(p, mask=mask, other=0.0).to(tl.float32)
+                tl.store(p, (g * s).to(grad_ptr.dtype.element_ty), mask=mask)
+    else:
+        for tile in range(pid, n_tiles, n_progs):
+            r = tile // col_blocks
+            s = tl.load(scale_ptr + r).to(tl.float32)
+            if s != 1.0:
+                offs = (tile % col_blocks) * BLOCK + cols
+                mask = offs < n_cols
+                p = grad_ptr + (tl.zeros([], tl.int64) + r) * n_cols + offs
+                g = tl.load(p, mask=mask, other=0.0).to(tl.float32)
+                tl.store(p, (g * s).to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Launch configuration and host launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def _sm_count_and_l2(device: torch.device) -> tuple[int, int]:
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        return p.multi_processor_count, int(getattr(p, "L2_cache_size", 50 * 2**20))
+    return 1, 50 * 2**20
+
+
+@dataclass(frozen=True)
+class CEConfig:
+    """Launch parameters of the fused cross-entropy kernel; the one place to tune them."""
+
+    block: int  # columns per load; a power of two
+    num_warps: int
+    n_programs: int  # persistent grid size
+    single_block: bool  # whole row in one block (loaded once)
+
+    # Rows up to this many columns are held in registers: 16384 fp32 values over 16 warps is
+    # 32 registers a thread for the row (Triton's softmax tutorial keeps rows whole the same way).
+    single_block_max = 16384
+    # Bytes per load per program in the blocked path: 16 KB (8192 bf16). With 8 warps that is
+    # 64 B = four 16-byte vector loads per thread per iteration.
+    blocked_bytes = 16384
+
+    @classmethod
+    def for_problem(cls, n_rows: int, n_cols: int, dtype: torch.dtype, device: torch.device) -> "CEConfig":
+        if device.type != "cuda":
+            # Triton interpreter (CPU CI): numpy-vectorized blocks, programs run one after another;
+            # big blocks and one program per row keep the Python overhead low.
+            block = min(triton.next_power_of_2(max(n_cols, 1)), 8192)
+            return cls(block, 4, max(n_rows, 1), n_cols <= block)
+        n_sm, l2 = _sm_count_and_l2(device)
+        if n_cols <= cls.single_block_max:
+            block = triton.next_power_of_2(n_cols)
+            warps = max(4, min(16, block // 1024))
+            # One read per row: no L2 constraint; enough programs to cover the SMs several times.
+            return cls(block, warps, max(1, min(n_rows, 8 * n_sm)), True)
+        elem = torch.empty((), dtype=dtype).element_size()
+        block = cls.blocked_bytes // elem
+        row_bytes = n_cols * elem
+        # Pass 2 re-reads the row; keep programs x row bytes ~ L2 so the re-read hits L2 (the live
+        # set is about half of that on average), but at least one program per SM.
+        n_prog = max(n_sm, min(4 * n_sm, l2 // row_bytes))
+        return cls(block, 8, max(1, min(n_rows, n_prog)), False)
+
+
+def _check_logits_target(logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> None:
+    if logits.dim() != 2:
+        raise KprofError(
+            f"cross_entropy expects logits [N, V], got shape {tuple(logits.shape)}; "
+            "flatten leading dims first: logits.view(-1, logits.shape[-1]), target.view(-1)"
+        )
+    if logits.dtype not in _DTYPES:
+        raise KprofError(f"cross_entropy supports logits in fp32/fp16/bf16, got {logits.dtype}; cast the logits first")
+    if target.dim() != 1 or target.shape[0] != logits.shape[0]:
+        raise KprofError(
+            f"cross_entropy expects target [N] with N = logits.shape[0] = {logits.shape[0]}, got shape {tuple(target.shape)}"
+        )
+    if target.dtype not in (torch.int64, torch.int32):
+        raise KprofError(f"cross_entropy expects integer class targets (int64 or int32), got {target.dtype}")
+    if target.device != logits.device:
+        raise KprofError(f"logits are on {logits.device} but target is on {target.device}; move them to one device")
+    if logits.shape[1] == 0 and logits.shape[0] > 0:
+        raise KprofError("cross_entropy got logits with 0 classes (V == 0)")
+    if logits.shape[1] >= 2**31:
+        raise KprofError(f"cross_entropy supports V < 2^31 classes, got {logits.shape[1]}")
+
+
+def _check_target_values(target: torch.Tensor, n_cols: int, ignore_index: int) -> None:
+    ok = (target == ignore_index) | ((target >= 0) & (target < n_cols))
+    if target.is_cuda:
+        # No host sync: a bad target trips a device-side assert, like torch's own cross_entropy.
+        torch._assert_async(ok.all(), f"kprof cross_entropy: targets must be in [0, {n_cols}) or ignore_index")
+    elif not bool(ok.all()):
+        bad = target[~ok][:5].tolist()
+        raise KprofError(
+            f"cross_entropy targets must be in [0, {n_cols}) or ignore_index={ignore_index}; got e.g. {bad}"
+        )
+
+
+def _ce_fwd_launch(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    grad: torch.Tensor | None,
+    loss_rows: torch.Tensor,
+    grad_scale: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+    config: CEConfig | None = None,
+) -> None:
+    """Write per-row losses into `loss_rows` and, if `grad` is given, d loss / d logits (times
+    `grad_scale`, fp32, one value or one per row) into `grad`, which may be `logits` itself.
+    `logits` and `grad` need unit stride along V; any row stride works."""
+    n_rows, n_cols = logits.shape
+    if n_rows == 0:
+        return
+    _check_target_values(target, n_cols, ignore_index)
+    cfg = config or CEConfig.for_problem(n_rows, n_cols, logits.dtype, logits.device)
+    compute_grad = grad is not None
+    g = grad if compute_grad else logits  # unused pointer when not computing the grad
+    _ce_fwd_kernel[(cfg.n_programs,)](
+        logits,
+        logits.stride(0),
+        target,
+        g,
+        g.stride(0),
+        loss_rows,
+        grad_scale,
+        0 if grad_scale.numel() == 1 else 1,
+        n_rows,
+        n_cols,
+        ignore_index,
+        float(label_smoothing),
+        float(z_loss),
+        float(softcap),
+        HAS_SMOOTHING=label_smoothing > 0.0,
+        HAS_Z_LOSS=z_loss != 0.0,
+        HAS_SOFTCAP=softcap > 0.0,
+        COMPUTE_GRAD=compute_grad,
+        SINGLE_BLOCK=cfg.single_block,
+        BLOCK=cfg.block,
+        num_warps=cfg.num_warps,
+    )
+
+
+def _scale_launch(grad: torch.Tensor, scale: torch.Tensor) -> None:
+    """grad *= scale in place (scale: fp32, one value, or one per row of a 2-D grad); tiles whose
+    scale is exactly 1 are skipped on the device."""
+    if grad.numel() == 0:
+        return
+    if not grad.is_contiguous():
+        raise KprofError("internal: the fused gradient buffer should be contiguous")
+    scalar = scale.numel() == 1
+    n_rows, n_cols = (1, grad.numel()) if scalar else (grad.shape[0], grad.numel() // grad.shape[0])
+    block = 4096 if grad.is_cuda else min(triton.next_power_of_2(n_cols), 8192)
+    n_tiles = n_rows * triton.cdiv(n_cols, block)
+    n_prog = n_tiles if not grad.is_cuda else min(n_tiles, 4 * _sm_count_and_l2(grad.device)[0])
+    _scale_kernel[(max(1, n_prog),)](grad, scale, n_rows, n_cols, SCALAR=scalar, BLOCK=block, num_warps=8 if grad.is_cuda else 4)
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. torch.library custom ops (opaque to torch.compile: no graph break, profiler sees kprof::*)
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("kprof::cross_entropy_fwd", mutates_args=())
+def _ce_fwd_op(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    grad_scale: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+    compute_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row fp32 losses [N] and d loss / d logits [N, V] (empty [0] if not compute_grad)."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    loss_rows = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if compute_grad else None
+    _ce_fwd_launch(logits, target, grad, loss_rows, grad_scale, ignore_index, label_smoothing, z_loss, softcap)
+    return loss_rows, grad if grad is not None else logits.new_empty(0)
+
+
+@_ce_fwd_op.register_fake
+def _(logits, target, grad_scale, ignore_index, label_smoothing, z_loss, softcap, compute_grad):
+    loss_rows = logits.new_empty(logits.shape[0], dtype=torch.float32)
+    return loss_rows, (logits.new_empty(logits.shape) if compute_grad else logits.new_empty(0))
+
+
+@torch.library.custom_op("kprof::cross_entropy_fwd_inplace", mutates_args=("logits",))
+def _ce_fwd_inplace_op(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    grad_scale: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Per-row fp32 losses [N]; overwrites `logits` (unit stride along V) with d loss / d logits."""
+    loss_rows = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    _ce_fwd_launch(logits, target, logits, loss_rows, grad_scale, ignore_index, label_smoothing, z_loss, softcap)
+    return loss_rows
+
+
+@_ce_fwd_inplace_op.register_fake
+def _(logits, target, grad_scale, ignore_index, label_smoothing, z_loss, softcap):
+    return logits.new_empty(logits.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("kprof::cross_entropy_bwd", mutates_args=("grad",))
+def _ce_bwd_op(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
+    """grad *= grad_output in place (grad_output: one value, or one per row of grad); moves no
+    data when grad_output is exactly 1. Also used by linear_cross_entropy for its stored grads."""
+    _scale_launch(grad, grad_output.to(torch.float32).contiguous())
+
+
+@_ce_bwd_op.register_fake
+def _(grad, grad_output):
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. autograd.Function
+# ----------------------------------------------------------------------------------------------
+
+
+def _grad_scale(target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    """fp32 scale applied to the gradient in the forward: 1/n_valid for 'mean' (a device tensor,
+    no host sync), else 1. It is inf when every target is ignored; the kernel never applies it
+    to ignored rows (their gradient is stored as zeros directly), so no nan appears."""
+    if reduction == "mean":
+        return 1.0 / (target != ignore_index).sum().to(torch.float32)
+    return torch.ones((), dtype=torch.float32, device=target.device)
+
+
+def _reduce(loss_rows: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    if reduction == "mean":
+        # 0/0 = nan when every target is ignored, as F.cross_entropy.
+        return loss_rows.sum() / (target != ignore_index).sum().to(torch.float32)
+    if reduction == "sum":
+        return loss_rows.sum()
+    return loss_rows
+
+
+class _CrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, label_smoothing, reduction, z_loss, softcap, inplace_grad, need_grad):
+        scale = _grad_scale(target, ignore_index, reduction)
+        sc = float(softcap or 0.0)
+        if need_grad and inplace_grad and logits.stride(-1) == 1:
+            loss_rows = torch.ops.kprof.cross_entropy_fwd_inplace(
+                logits, target, scale, ignore_index, label_smoothing, z_loss, sc
+            )
+            grad = logits
+        else:
+            loss_rows, grad = torch.ops.kprof.cross_entropy_fwd(
+                logits, target, scale, ignore_index, label_smoothing, z_loss, sc, need_grad
+            )
+        if need_grad:
+            ctx.save_for_backward(grad)
+        ctx.reduction = reduction
+        return _reduce(loss_rows, target, ignore_index, reduction).to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (grad,) = ctx.saved_tensors
+        # The gradient was computed in the forward; only grad_output remains. Scaling in place is
+        # safe because the buffer is private (or the caller gave up the logits with inplace_grad);
+        # it bumps the saved tensor's version, so a second backward (retain_graph) raises.
+        torch.ops.kprof.cross_entropy_bwd(grad, grad_output)
+        return grad, None, None, None, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. Public function
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_options(label_smoothing: float, reduction: str, z_loss: float, softcap: float | None) -> None:
+    if reduction not in _REDUCTIONS:
+        raise KprofError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise KprofError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not math.isfinite(z_loss) or z_loss < 0.0:
+        raise KprofError(f"z_loss must be a finite coefficient >= 0 (PaLM uses 1e-4), got {z_loss}")
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0.0):
+        raise KprofError(f"softcap must be None or a positive number (Gemma 2 uses 30.0), got {softcap}")
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    inplace_grad: bool = False,
+) -> torch.Tensor:
+    """Cross-entropy of `logits` [N, V] (fp32/fp16/bf16) against class indices `target` [N]
+    (int64 or int32), forward and backward in one kernel.
+
+    Matches `F.cross_entropy(logits.float(), target, ignore_index=, label_smoothing=,
+    reduction=)` cast to the logits' dtype (as torch returns it): fp32 accumulation, mean over
+    non-ignored targets (nan if all are ignored, like torch), label smoothing as torch defines
+    it. Extras:
+      z_loss:  adds z_loss * logsumexp(logits)^2 per non-ignored token, reduced the same way (PaLM).
+      softcap: logits -> softcap * tanh(logits / softcap) before everything else (Gemma 2).
+      inplace_grad: write the gradient into the logits' buffer instead of a new [N, V] buffer
+        (saves N*V*itemsize bytes, as Liger does by default). The logits' values are destroyed;
+        only use it when nothing reads them afterwards. If an autograd node saved them, its
+        backward raises torch's "modified by an inplace operation" error rather than computing
+        garbage. Needs unit stride along V (otherwise a separate buffer is used).
+
+    The gradient is computed in the forward (only when `logits` requires grad), so the backward
+    is free for `loss.backward()` (grad_output == 1, skipped on the device) and costs one
+    read+write of the gradient otherwise (e.g. `(loss / accum_steps).backward()`, or
+    reduction='none'). The backward can run once (no retain_graph double backward).
+    """
+    _check_options(label_smoothing, reduction, z_loss, softcap)
+    _check_logits_target(logits, target, ignore_index)
+    if not use_triton(logits):
+        warn_fallback("cross_entropy", f"no Triton on {logits.device} (set TRITON_INTERPRET=1 for CPU)")
+        return cross_entropy_reference(
+            logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
+            reduction=reduction, z_loss=z_loss, softcap=softcap, inplace_grad=inplace_grad,
+        )
+    need_grad = logits.requires_grad and torch.is_grad_enabled()
+    return _CrossEntropyFunction.apply(
+        logits, target, int(ignore_index), float(label_smoothing), reduction, float(z_loss), softcap, inplace_grad, need_grad
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. nn.Module
+# ----------------------------------------------------------------------------------------------
+
+
+class CrossEntropyLoss(torch.nn.Module):
+    """Drop-in for `nn.CrossEntropyLoss` on [N, V] logits (no class weights), plus z_loss and
+    softcap. See `cross_entropy`."""
+
+    def __init__(
+        self,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        softcap: float | None = None,
+        inplace_grad: bool = False,
+    ):
+        super().__init__()
+        _check_options(label_smoothing, reduction, z_loss, softcap)
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+        self.z_loss = z_loss
+        self.softcap = softcap
+        self.inplace_grad = inplace_grad
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(
+            logits, target, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing,
+            reduction=self.reduction, z_loss=self.z_loss, softcap=self.softcap, inplace_grad=self.inplace_grad,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, label_smoothing={self.label_smoothing}, "
+            f"z_loss={self.z_loss}, softcap={self.softcap}, inplace_grad={self.inplace_grad}"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. Reference
+# ----------------------------------------------------------------------------------------------
+
+
+def cross_entropy_reference(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    inplace_grad: bool = False,  # accepted for signature parity; the reference never writes in place
+) -> torch.Tensor:
+    """Pure PyTorch: F.cross_entropy on logits upcast to at least fp32 (after the softcap), plus
+    the z-loss term, cast back to the logits' dtype."""
+    _check_options(label_smoothing, reduction, z_loss, softcap)
+    z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    loss = F.cross_entropy(z, target.long(), ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction)
+    if z_loss:
+        valid = target != ignore_index
+        zl = z_loss * torch.logsumexp(z, dim=-1).pow(2) * valid
+        zl = _reduce(zl, target, ignore_index, reduction)
+        loss = loss + zl
+    return loss.to(logits.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. Registry
+# ----------------------------------------------------------------------------------------------
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# FLOPs per logit, counted from the kernel: pass 1 max, sub, exp, add (4); pass 2 sub, exp, mul,
+# sub, select, (4-5). Transcendentals count as one FLOP each. Softcap adds ~8 per pass.
+_FWD_FLOPS_PER_LOGIT = 9
+
+
+def _ce_cost(n_rows: int, n_cols: int, dtype: torch.dtype = torch.bfloat16, target_dtype: torch.dtype = torch.int64) -> dict:
+    e = _itemsize(dtype)
+    nv = n_rows * n_cols
+    fwd = Cost(flops=_FWD_FLOPS_PER_LOGIT * nv, bytes=nv * e + n_rows * _itemsize(target_dtype) + nv * e + 4 * n_rows)
+    # Backward: free when grad_output == 1 (skipped on the device); otherwise one multiply per
+    # logit over a read and a write of the gradient. Listed at the second (larger) figure.
+    bwd = Cost(flops=nv, bytes=2 * nv * e)
+    return {"fwd": fwd, "bwd": bwd}
+
+
+def _op_cost_fwd(metas) -> Cost:
+    logits, target = metas[0], metas[1]
+    return _ce_cost(logits.shape[0], logits.shape[1], logits.dtype, target.dtype)["fwd"]
+
+
+def _op_cost_bwd(metas) -> Cost:
+    grad = metas[0]
+    n = math.prod(grad.shape)
+    return Cost(flops=n, bytes=2 * n * _itemsize(grad.dtype))
+
+
+SPEC = register(
+    KernelSpec(
+        name="cross_entropy",
+        replaces="F.cross_entropy(logits.float(), target) and its backward (log_softmax + nll_loss, fp32 upcast)",
+        dtypes=_DTYPES,
+        limits=(
+            "logits [N, V] with V < 2^31, any N; rows over 16384 columns are streamed in blocks "
+            "(two reads, the second meant to hit L2); no class weights"
+        ),
+        deterministic=True,  # no atomics: each row is reduced by one program in a fixed order
+        fn=cross_entropy,
+        module=CrossEntropyLoss,
+        reference=cross_entropy_reference,
+        cost=_ce_cost,
+        op_costs={
+            "kprof::cross_entropy_fwd": _op_cost_fwd,
+            "kprof::cross_entropy_fwd_inplace": _op_cost_fwd,
+            "kprof::cross_entropy_bwd": _op_cost_bwd,
+        },
+    )
+)

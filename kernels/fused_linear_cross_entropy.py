@@ -1,0 +1,487 @@
+"""Fused linear + cross-entropy (the LM head and its loss) without materializing [N, V] logits.
+
+HF computes `logits = hidden @ W.T` ([8192, 128256] bf16 = 2.1 GB), upcasts them to fp32
+(4.2 GB) and runs cross-entropy; the backward keeps all of it alive. Here tokens are processed
+in chunks of C rows; per chunk, everything happens in the forward:
+
+    logits_c  = h_c @ W.T (+ b)          cuBLAS, input dtype, into one reused [C, V] buffer
+    dlogits_c = CE grad, written in place into logits_c by kprof's fused CE kernel
+    grad_h_c  = dlogits_c @ W            cuBLAS, written straight into grad_h[c]
+    grad_W   += dlogits_c.T @ h_c        cuBLAS addmm (beta=1) into the grad_W buffer
+    grad_b   += dlogits_c.sum(0)         fp32
+
+and the backward only scales the stored grads by grad_output (skipped on the device when it is
+1, see `cross_entropy`). reduction='none' cannot do that (grad_output differs per token), so it
+stores nothing in the forward and recomputes the chunk logits in the backward instead.
+
+Napkin math (H200, bf16 dense ~989 TFLOP/s peak, ~750 reached by large cuBLAS GEMMs; 4.27 TB/s),
+N=8192, H=4096, V=128256:
+  3 GEMMs x 2NHV = 25.8 TFLOP -> ~34 ms at 750 TFLOP/s (torch.compile: 36.1 ms, the target)
+  CE kernel over all chunks: read + write N*V bf16 = 4.2 GB -> ~1 ms
+  grad_W update: the addmm streams grad_W ([V, H], 2 B read + 2 B written per element) against
+  2*C FLOPs per element. The GEMM stays compute-bound while 2C / 4 B >= ridge 989/4.8 ~ 206 FLOP/B,
+  i.e. C >= ~412: C = 512 by default (C = 256, Liger's choice at this shape, makes each of the 32
+  updates memory-bound: 0.49 ms of traffic vs 0.36 ms of math, ~+4 ms in total).
+  Memory beyond the outputs (grad_h, grad_W): one [C, V] chunk = 131 MB at C = 512.
+Chunk size and precision choice are not yet measured on the H200 (written without GPU access).
+
+Precision of grad_W: by default it is accumulated in the weight's dtype: each chunk's GEMM
+accumulates in fp32 inside cuBLAS and rounds once when adding into grad_W, so a bf16 grad_W
+takes N/C roundings instead of eager's one. Measured on CPU (N=4096, H=64, V=512, bf16, C=512,
+8 chunks; max |err| / max |grad_W| against an fp64 reference): bf16 accumulation 4.2e-3, fp32
+accumulation (`accum_dtype=torch.float32`) 2.1e-3, eager bf16 `F.linear` + CE 2.1e-3. The fp32
+accumulator costs 4 B/element of extra memory for [V, H] (2.1 GB at this shape, over Liger's
+1.06 GB) and twice the update traffic (so its chunk is 1024 rows), hence opt-in.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kprof.errors import KprofError
+from kprof.kernels._common import use_triton, warn_fallback
+from kprof.kernels.cross_entropy import (
+    _DTYPES,
+    _FWD_FLOPS_PER_LOGIT,
+    _ce_fwd_launch,
+    _check_options,
+    _check_target_values,
+    _grad_scale,
+    _itemsize,
+    _reduce,
+    cross_entropy_reference,
+)
+from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
+
+# ----------------------------------------------------------------------------------------------
+# Chunk size (the one tuning knob besides the CE kernel's own CEConfig)
+# ----------------------------------------------------------------------------------------------
+
+# Rows per chunk that keep the grad_W update GEMM compute-bound (module docstring): 512 when
+# grad_W is accumulated in a 2-byte dtype, 1024 with a 4-byte (fp32) accumulator.
+_GEMM_ROWS_BY_ACC_BYTES = {2: 512, 4: 1024}
+# Never let the chunk buffer take more than this share of the free device memory.
+_FREE_MEMORY_SHARE = 8
+
+
+def chunk_rows(n_rows: int, vocab: int, dtype: torch.dtype, acc_dtype: torch.dtype, device: torch.device) -> int:
+    """Rows per chunk: enough for an efficient grad_W update, capped by free memory and N."""
+    rows = _GEMM_ROWS_BY_ACC_BYTES[_itemsize(acc_dtype)]
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        rows = min(rows, free // (_FREE_MEMORY_SHARE * vocab * _itemsize(dtype)))
+    return int(max(1, min(n_rows, rows)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Host launcher: the chunk loop (GEMMs through torch/cuBLAS, the CE through kprof's kernel)
+# ----------------------------------------------------------------------------------------------
+
+
+def _acc_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """acc (+)= a @ b where acc may be fp32 and a, b half precision."""
+    if acc.dtype == a.dtype:
+        if first:
+            torch.mm(a, b, out=acc)
+        else:
+            acc.addmm_(a, b)
+    elif acc.is_cuda:
+        # cuBLAS with fp32 output from bf16/fp16 inputs (aten's out_dtype overloads, CUDA only).
+        if first:
+            torch.ops.aten.mm.dtype_out(a, b, torch.float32, out=acc)
+        else:
+            torch.ops.aten.addmm.dtype_out(acc, a, b, torch.float32, out=acc)
+    else:
+        if first:
+            torch.mm(a.float(), b.float(), out=acc)
+        else:
+            acc.addmm_(a.float(), b.float())
+
+
+def _lce_launch(
+    hidden: torch.Tensor,  # [N, H]
+    weight: torch.Tensor,  # [V, H]
+    bias: torch.Tensor | None,  # [V]
+    target: torch.Tensor,  # [N]
+    grad_scale: torch.Tensor,  # fp32, one value or [N]
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+    need_gh: bool,
+    need_gw: bool,
+    need_gb: bool,
+    chunk_size: int,
+    accum_fp32: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    n, _ = hidden.shape
+    vocab = weight.shape[0]
+    dev = hidden.device
+    loss_rows = torch.empty(n, dtype=torch.float32, device=dev)
+    acc_dtype = torch.float32 if accum_fp32 else weight.dtype
+    gh = torch.empty_like(hidden) if need_gh else None
+    gw = torch.empty(weight.shape, dtype=acc_dtype, device=dev) if need_gw else None
+    gb = torch.zeros(vocab, dtype=torch.float32, device=dev) if need_gb else None
+    if n == 0:
+        if gw is not None:
+            gw.zero_()  # no tokens: grad_W = 0 (the loop below never writes it)
+    else:
+        _check_target_values(target, vocab, ignore_index)
+    any_grad = need_gh or need_gw or need_gb
+    c = chunk_size if chunk_size > 0 else chunk_rows(n, vocab, hidden.dtype, acc_dtype, dev)
+    buf = torch.empty((min(c, n), vocab), dtype=hidden.dtype, device=dev)  # reused by every chunk
+    per_row_scale = grad_scale.numel() != 1
+    wt = weight.t()
+    for i, c0 in enumerate(range(0, n, c)):
+        c1 = min(c0 + c, n)
+        h_c = hidden[c0:c1]
+        logits = buf[: c1 - c0]  # [C, V]
+        if bias is None:
+            torch.mm(h_c, wt, out=logits)
+        else:
+            torch.addmm(bias, h_c, wt, out=logits)
+        scale = grad_scale[c0:c1] if per_row_scale else grad_scale
+        _ce_fwd_launch(
+            logits, target[c0:c1], logits if any_grad else None, loss_rows[c0:c1], scale,
+            ignore_index, label_smoothing, z_loss, softcap,
+        )
+        # `logits` now holds d loss / d logits for the chunk.
+        if gh is not None:
+            torch.mm(logits, weight, out=gh[c0:c1])  # [C, V] @ [V, H]
+        if gw is not None:
+            _acc_mm(gw, logits.t(), h_c, first=i == 0)  # [V, C] @ [C, H]
+        if gb is not None:
+            gb += logits.sum(0, dtype=torch.float32)
+    if gw is not None and gw.dtype != weight.dtype:
+        gw = gw.to(weight.dtype)
+    if gb is not None:
+        gb = gb.to(bias.dtype)
+    return loss_rows, gh, gw, gb
+
+
+def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return t if t is not None else like.new_empty(0)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.library custom ops
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("kprof::linear_cross_entropy_fwd", mutates_args=())
+def _lce_fwd_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    grad_scale: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+    need_gh: bool,
+    need_gw: bool,
+    need_gb: bool,
+    chunk_size: int,
+    accum_fp32: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row fp32 losses [N] and, as requested, grad_hidden, grad_weight, grad_bias (scaled by
+    grad_scale; empty [0] tensors for the ones not requested)."""
+    loss_rows, gh, gw, gb = _lce_launch(
+        hidden, weight, bias, target, grad_scale, ignore_index, label_smoothing, z_loss, softcap,
+        need_gh, need_gw, need_gb, chunk_size, accum_fp32,
+    )
+    return loss_rows, _or_empty(gh, hidden), _or_empty(gw, weight), _or_empty(gb, weight)
+
+
+@_lce_fwd_op.register_fake
+def _(hidden, weight, bias, target, grad_scale, ignore_index, label_smoothing, z_loss, softcap,
+      need_gh, need_gw, need_gb, chunk_size, accum_fp32):
+    return (
+        hidden.new_empty(hidden.shape[0], dtype=torch.float32),
+        hidden.new_empty(hidden.shape) if need_gh else hidden.new_empty(0),
+        weight.new_empty(weight.shape) if need_gw else weight.new_empty(0),
+        weight.new_empty(weight.shape[0]) if need_gb else weight.new_empty(0),
+    )
+
+
+@torch.library.custom_op("kprof::linear_cross_entropy_bwd", mutates_args=())
+def _lce_bwd_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    grad_rows: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+    need_gh: bool,
+    need_gw: bool,
+    need_gb: bool,
+    chunk_size: int,
+    accum_fp32: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """reduction='none' backward: recompute the chunk logits and the grads, token t's scaled by
+    grad_rows[t]."""
+    _, gh, gw, gb = _lce_launch(
+        hidden, weight, bias, target, grad_rows.to(torch.float32).contiguous(), ignore_index,
+        label_smoothing, z_loss, softcap, need_gh, need_gw, need_gb, chunk_size, accum_fp32,
+    )
+    return _or_empty(gh, hidden), _or_empty(gw, weight), _or_empty(gb, weight)
+
+
+@_lce_bwd_op.register_fake
+def _(hidden, weight, bias, target, grad_rows, ignore_index, label_smoothing, z_loss, softcap,
+      need_gh, need_gw, need_gb, chunk_size, accum_fp32):
+    return (
+        hidden.new_empty(hidden.shape) if need_gh else hidden.new_empty(0),
+        weight.new_empty(weight.shape) if need_gw else weight.new_empty(0),
+        weight.new_empty(weight.shape[0]) if need_gb else weight.new_empty(0),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# autograd.Function
+# ----------------------------------------------------------------------------------------------
+
+
+class _LinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, ignore_index, label_smoothing, reduction, z_loss, softcap,
+                chunk_size, accum_fp32, need_gh, need_gw, need_gb):
+        opts = (int(ignore_index), float(label_smoothing), float(z_loss), float(softcap or 0.0))
+        ctx.reduction = reduction
+        ctx.opts = opts
+        ctx.chunk = (chunk_size, accum_fp32)
+        ctx.has_bias = bias is not None
+        if reduction == "none":
+            # Per-token grad_output is only known in the backward: store inputs, recompute there.
+            ones = torch.ones((), dtype=torch.float32, device=hidden.device)
+            loss_rows, *_ = torch.ops.kprof.linear_cross_entropy_fwd(
+                hidden, weight, bias, target, ones, *opts, False, False, False, chunk_size, accum_fp32
+            )
+            ctx.save_for_backward(hidden, weight, bias, target)
+        else:
+            scale = _grad_scale(target, ignore_index, reduction)
+            loss_rows, gh, gw, gb = torch.ops.kprof.linear_cross_entropy_fwd(
+                hidden, weight, bias, target, scale, *opts, need_gh, need_gw, need_gb, chunk_size, accum_fp32
+            )
+            ctx.save_for_backward(gh, gw, gb)
+            ctx.need = (need_gh, need_gw, need_gb)
+        return _reduce(loss_rows, target, ignore_index, reduction).to(hidden.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        tail = (None,) * 11
+        if ctx.reduction == "none":
+            hidden, weight, bias, target = ctx.saved_tensors
+            need_gh, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+            need_gb = ctx.has_bias and ctx.needs_input_grad[2]
+            gh, gw, gb = torch.ops.kprof.linear_cross_entropy_bwd(
+                hidden, weight, bias, target, grad_output, *ctx.opts, need_gh, need_gw, need_gb, *ctx.chunk
+            )
+        else:
+            # Grads were computed in the forward; scale them in place by grad_output (a no-op on
+            # the device when it is 1). The buffers are private; a second backward raises.
+            gh, gw, gb = ctx.saved_tensors
+            need_gh, need_gw, need_gb = ctx.need
+            for g, need in ((gh, need_gh), (gw, need_gw), (gb, need_gb)):
+                if need:
+                    torch.ops.kprof.cross_entropy_bwd(g, grad_output)
+        return (gh if need_gh else None, gw if need_gw else None, gb if need_gb else None) + tail
+
+
+# ----------------------------------------------------------------------------------------------
+# Public function
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_inputs(hidden, weight, target, bias, chunk_size, accum_dtype) -> None:
+    if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise KprofError(
+            f"linear_cross_entropy expects hidden [..., H] and weight [V, H] (the lm_head weight); "
+            f"got hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}"
+        )
+    if target.shape != hidden.shape[:-1]:
+        raise KprofError(
+            f"target must have hidden's leading shape {tuple(hidden.shape[:-1])}, got {tuple(target.shape)}"
+        )
+    if hidden.dtype not in _DTYPES or weight.dtype != hidden.dtype:
+        raise KprofError(
+            f"hidden and weight must share one dtype in fp32/fp16/bf16; got {hidden.dtype} and {weight.dtype} "
+            "(under autocast, cast them explicitly)"
+        )
+    if target.dtype not in (torch.int64, torch.int32):
+        raise KprofError(f"target must hold integer class indices (int64 or int32), got {target.dtype}")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != weight.dtype):
+        raise KprofError(
+            f"bias must be [V] = [{weight.shape[0]}] in {weight.dtype}, got {tuple(bias.shape)} {bias.dtype}"
+        )
+    devs = {hidden.device, weight.device, target.device} | ({bias.device} if bias is not None else set())
+    if len(devs) > 1:
+        raise KprofError(f"inputs are on different devices {sorted(map(str, devs))}; move them to one device")
+    if weight.shape[0] == 0:
+        raise KprofError("linear_cross_entropy got a weight with 0 rows (V == 0)")
+    if chunk_size is not None and chunk_size < 1:
+        raise KprofError(f"chunk_size must be a positive number of rows, got {chunk_size}")
+    if accum_dtype not in (None, torch.float32, weight.dtype):
+        raise KprofError(f"accum_dtype must be None (the weight's dtype) or torch.float32, got {accum_dtype}")
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    chunk_size: int | None = None,
+    accum_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of `F.linear(hidden, weight, bias)` against `target`, without ever holding
+    the [N, V] logits: hidden [..., H], weight [V, H], bias [V] or None (fp32/fp16/bf16, one
+    dtype), target [...] int64/int32.
+
+    Matches `cross_entropy(F.linear(hidden, weight, bias).view(-1, V), target.view(-1), ...)`
+    (the HF LM head: logits in the input dtype, loss in fp32, returned in the input dtype); the
+    options are `cross_entropy`'s. reduction='none' returns a loss shaped like `target`.
+
+    chunk_size: tokens per chunk (default `chunk_rows`: 512, fewer if memory is short). The
+        extra memory is one [chunk_size, V] buffer in the input dtype.
+    accum_dtype: dtype grad_weight is accumulated in across chunks: None = the weight's dtype
+        (default; Liger's memory), torch.float32 = more accurate, +4 B per weight element.
+
+    Works with a weight tied to the input embedding (autograd adds both grads). For 'mean' and
+    'sum', all grads are computed in the forward (when inputs require grad) and the backward only
+    scales them; it can run once (no retain_graph double backward).
+    """
+    _check_options(label_smoothing, reduction, z_loss, softcap)
+    _check_inputs(hidden, weight, target, bias, chunk_size, accum_dtype)
+    if not use_triton(hidden):
+        warn_fallback("fused_linear_cross_entropy", f"no Triton on {hidden.device} (set TRITON_INTERPRET=1 for CPU)")
+        return linear_cross_entropy_reference(
+            hidden, weight, target, bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
+            reduction=reduction, z_loss=z_loss, softcap=softcap,
+        )
+    lead_shape = target.shape
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    t1 = target.reshape(-1)
+    grad_on = torch.is_grad_enabled()
+    need_gh = grad_on and hidden.requires_grad
+    need_gw = grad_on and weight.requires_grad
+    need_gb = grad_on and bias is not None and bias.requires_grad
+    accum_fp32 = accum_dtype == torch.float32 and weight.dtype != torch.float32
+    loss = _LinearCrossEntropyFunction.apply(
+        h2, weight, bias, t1, ignore_index, label_smoothing, reduction, z_loss, softcap,
+        int(chunk_size or 0), accum_fp32, need_gh, need_gw, need_gb,
+    )
+    return loss.view(lead_shape) if reduction == "none" else loss
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """Loss module over (hidden, lm_head weight, target[, bias]); see `linear_cross_entropy`."""
+
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                 z_loss: float = 0.0, softcap: float | None = None, chunk_size: int | None = None,
+                 accum_dtype: torch.dtype | None = None):
+        super().__init__()
+        _check_options(label_smoothing, reduction, z_loss, softcap)
+        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+        self.z_loss, self.softcap, self.chunk_size, self.accum_dtype = z_loss, softcap, chunk_size, accum_dtype
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        return linear_cross_entropy(
+            hidden, weight, target, bias, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing,
+            reduction=self.reduction, z_loss=self.z_loss, softcap=self.softcap, chunk_size=self.chunk_size,
+            accum_dtype=self.accum_dtype,
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference
+# ----------------------------------------------------------------------------------------------
+
+
+def linear_cross_entropy_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    chunk_size: int | None = None,  # accepted for signature parity
+    accum_dtype: torch.dtype | None = None,  # accepted for signature parity
+) -> torch.Tensor:
+    """Pure PyTorch, HF style: full logits in the input dtype, then `cross_entropy_reference`."""
+    logits = F.linear(hidden, weight, bias)
+    loss = cross_entropy_reference(
+        logits.reshape(-1, weight.shape[0]), target.reshape(-1), ignore_index=ignore_index,
+        label_smoothing=label_smoothing, reduction=reduction, z_loss=z_loss, softcap=softcap,
+    )
+    return loss.view(target.shape) if reduction == "none" else loss
+
+
+# ----------------------------------------------------------------------------------------------
+# Registry
+# ----------------------------------------------------------------------------------------------
+
+
+def _lce_cost(n_rows: int, hidden: int, vocab: int, dtype: torch.dtype = torch.bfloat16,
+              bias: bool = False, target_dtype: torch.dtype = torch.int64) -> dict:
+    e = _itemsize(dtype)
+    nh, vh, nv = n_rows * hidden, vocab * hidden, n_rows * vocab
+    # Forward does everything: 3 GEMMs (logits, grad_h, grad_W) + the CE kernel.
+    flops = 3 * 2 * n_rows * hidden * vocab + _FWD_FLOPS_PER_LOGIT * nv + (nv if bias else 0)
+    # Minimal bytes: read hidden, weight (+ bias, target) once; write grad_h, grad_W (+ grad_b).
+    # The chunk logits round trip (4 N V bytes: GEMM write, CE read + write, two GEMM reads) is
+    # real traffic, but not a minimum: a fused GEMM epilogue would avoid it.
+    fwd_bytes = 2 * (nh + vh) * e + n_rows * _itemsize(target_dtype) + 4 * n_rows + (2 * vocab * e if bias else 0)
+    # Backward: scales the stored grads (free when grad_output == 1); listed at the scaling cost.
+    bwd = Cost(flops=nh + vh, bytes=2 * (nh + vh) * e)
+    return {"fwd": Cost(flops=flops, bytes=fwd_bytes), "bwd": bwd}
+
+
+def _op_cost(metas) -> Cost:
+    hidden, weight = metas[0], metas[1]
+    n = math.prod(hidden.shape[:-1])
+    return _lce_cost(n, hidden.shape[-1], weight.shape[0], hidden.dtype)["fwd"]
+
+
+SPEC = register(
+    KernelSpec(
+        name="fused_linear_cross_entropy",
+        replaces="lm_head = F.linear(hidden, W) + F.cross_entropy(logits.float(), target) and their backward",
+        dtypes=_DTYPES,
+        limits=(
+            "hidden [..., H], weight [V, H], V < 2^31; chunks of 512 tokens (1024 with fp32 accumulation) "
+            "or fewer when memory is short; no class weights"
+        ),
+        deterministic=True,  # fixed chunk order, cuBLAS on one stream, CE kernel without atomics
+        fn=linear_cross_entropy,
+        module=LinearCrossEntropyLoss,
+        reference=linear_cross_entropy_reference,
+        cost=_lce_cost,
+        op_costs={
+            # Listed for the training case (grads requested): 3 GEMMs. Called without grads (eval,
+            # or the forward of reduction='none') the op does 1 GEMM.
+            "kprof::linear_cross_entropy_fwd": _op_cost,
+            "kprof::linear_cross_entropy_bwd": _op_cost,
+        },
+    )
+)
+
+__all__ = ["linear_cross_entropy", "linear_cross_entropy_reference", "LinearCrossEntropyLoss", "chunk_rows"]
