@@ -27,6 +27,7 @@ Only a last-dim stride != 1 forces a copy (and a contiguous output).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -370,20 +371,13 @@ def _cost(
     return {"fwd": c, "bwd": c}
 
 
-def _numel(shape) -> int:
-    out = 1
-    for s in shape:
-        out *= s
-    return out
-
-
 def _op_cost(metas: list[TensorMeta]) -> Cost:
     """metas: q (or dq), k (or dk), cos, sin. Output dtype taken as q's (HF casts cos to it)."""
     q, k, cos, sin = metas[:4]
     e = torch.empty((), dtype=q.dtype).element_size()
     ce = torch.empty((), dtype=cos.dtype).element_size()
-    n = _numel(q.shape) + _numel(k.shape)
-    return Cost(flops=_FLOPS_PER_ELEM * n, bytes=2 * n * e + (_numel(cos.shape) + _numel(sin.shape)) * ce)
+    n = math.prod(q.shape) + math.prod(k.shape)
+    return Cost(flops=_FLOPS_PER_ELEM * n, bytes=2 * n * e + (math.prod(cos.shape) + math.prod(sin.shape)) * ce)
 
 
 SPEC = register(

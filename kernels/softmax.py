@@ -26,6 +26,7 @@ The backward has the same two regimes (pass 1: sum(y * dy); pass 2: dx).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -358,8 +359,7 @@ def _check(x: torch.Tensor, mask: Optional[torch.Tensor], causal: bool) -> None:
         if mask.device != x.device:
             raise KprofError(f"softmax: mask is on {mask.device} but x is on {x.device}; move them to one device")
         try:
-            torch.broadcast_shapes(mask.shape, x.shape)
-            mask.expand(x.shape)
+            mask.expand(x.shape)  # broadcastable to x without growing it
         except RuntimeError:
             raise KprofError(
                 f"softmax: mask of shape {tuple(mask.shape)} does not broadcast to x of shape {tuple(x.shape)}"
@@ -452,24 +452,22 @@ def _cost(n_rows: int, n_cols: int, dtype: torch.dtype = torch.bfloat16, mask_nu
     }
 
 
-def _numel(shape) -> int:
-    out = 1
-    for s in shape:
-        out *= s
-    return out
+def _rows_cols(shape) -> tuple[int, int]:
+    n_cols = shape[-1] if len(shape) else 1
+    return (math.prod(shape) // n_cols if n_cols else 0), n_cols
 
 
 def _fwd_op_cost(metas: list[TensorMeta]) -> Cost:
-    x = metas[0]
-    mask_numel = _numel(metas[1].shape) if len(metas) > 1 else 0  # mask is None: not in the trace
-    return _cost(_numel(x.shape) // max(x.shape[-1], 1) if x.shape else 1, x.shape[-1] if x.shape else 1,
-                 x.dtype, mask_numel)["fwd"]
+    """metas: x and, when given, the mask (a None mask is not in the trace)."""
+    n_rows, n_cols = _rows_cols(metas[0].shape)
+    mask_numel = math.prod(metas[1].shape) if len(metas) > 1 else 0
+    return _cost(n_rows, n_cols, metas[0].dtype, mask_numel)["fwd"]
 
 
 def _bwd_op_cost(metas: list[TensorMeta]) -> Cost:
-    y = metas[0]
-    return _cost(_numel(y.shape) // max(y.shape[-1], 1) if y.shape else 1, y.shape[-1] if y.shape else 1,
-                 y.dtype)["bwd"]
+    """metas: y, dy."""
+    n_rows, n_cols = _rows_cols(metas[0].shape)
+    return _cost(n_rows, n_cols, metas[0].dtype)["bwd"]
 
 
 SPEC = register(
