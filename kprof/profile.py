@@ -106,9 +106,8 @@ def analyse(raw) -> tuple[pd.DataFrame, dict]:
         "class_breakdown": analysis.class_breakdown(ops, idle, n),
         "top_ops": analysis.top_ops(ops, n, TOP_K, ceilings=ceil, idle=idle),
         "coverage": analysis.coverage(ops),
-        "step_time_ms": analysis.step_stats(raw.step_times_ms) if raw.step_times_ms else None,
-        "profiled_step_time_ms": (analysis.step_stats(raw.profiled_step_times_ms)
-                                  if raw.profiled_step_times_ms else None),
+        "step_time_ms": _stats(analysis, raw.step_times_ms),
+        "profiled_step_time_ms": _stats(analysis, raw.profiled_step_times_ms),
         "overhead": analysis.overhead(raw.profiled_step_times_ms, raw.step_times_ms),
     }
     return ops, out
@@ -168,6 +167,10 @@ def build_summary(raw, a: dict) -> dict[str, Any]:
         "module_classes": dict(raw.module_classes),
         "wall_time_s": raw.wall_time_s,
     }
+
+
+def _stats(analysis, times: list[float]) -> dict | None:
+    return analysis.step_stats(times) | {"n": len(times)} if times else None
 
 
 def _records(df: pd.DataFrame | None) -> list[dict]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from rich import box
 from rich.console import Console, Group
 from rich.panel import Panel
 from rich.table import Table
@@ -161,41 +162,57 @@ def class_table(summary: dict) -> Table | None:
     return t
 
 
-# (header, candidate keys in a top-ops record, formatter, justify)
-TOP_COLUMNS: list[tuple[str, list[str], Callable[[Any], str], str]] = [
-    ("op", ["op"], str, "left"),
-    ("shapes", ["shapes"], str, "left"),
-    ("dtype", ["dtype"], str, "left"),
-    ("ms/step", ["ms/step", "time/step (ms)", "time (ms/step)"], fmt_ms, "right"),
-    ("% step", ["% of step"], fmt_pct, "right"),
-    ("TFLOP/s", ["TFLOP/s"], lambda v: fmt_float(v, 2), "right"),
-    ("GB/s", ["GB/s"], lambda v: fmt_float(v, 1), "right"),
-    ("FLOP/B", ["intensity (FLOP/B)"], lambda v: fmt_float(v, 1), "right"),
-    ("% roof", ["% of roofline"], fmt_pct, "right"),
+# (header, candidate keys in a top-ops record, formatter)
+TOP_COLUMNS: list[tuple[str, list[str], Callable[[Any], str]]] = [
+    ("ms/step", ["ms/step", "time/step (ms)", "time (ms/step)"], fmt_ms),
+    ("% step", ["% of step"], fmt_pct),
+    ("TFLOP/s", ["TFLOP/s"], lambda v: fmt_float(v, 2)),
+    ("GB/s", ["GB/s"], lambda v: fmt_float(v, 1)),
+    ("FLOP/B", ["intensity (FLOP/B)"], lambda v: fmt_float(v, 1)),
+    ("% roof", ["% of roofline"], fmt_pct),
 ]
 
 
-def top_ops_table(summary: dict) -> Table | None:
+def top_ops_table(summary: dict, width: int = 120) -> Table | None:
     rows = summary.get("top_ops") or []
     if not rows:
         return None
-    # Group by module path, modules in order of their time among the top ops (rows arrive sorted by
-    # time, so a module's first row is its heaviest op).
-    order: dict[str, list[dict]] = {}
+    # Group by module path, modules in order of their heaviest op (rows arrive sorted by time).
+    # Each module gets a header row and its ops sit under it, which keeps the table narrow.
+    groups: dict[str, list[dict]] = {}
     for r in rows:
-        order.setdefault(str(r.get("module", "")), []).append(r)
-    t = Table(title=f"Top {len(rows)} ops by device time, grouped by module", title_justify="left")
-    t.add_column("module", overflow="fold", max_width=40)
-    for head, _, _, justify in TOP_COLUMNS:
-        t.add_column(head, justify=justify, overflow="fold", max_width=36 if head == "shapes" else None)
-    t.add_column("class")
-    for module, group in order.items():
+        groups.setdefault(str(r.get("module", "")), []).append(r)
+    # No vertical rules: 11 columns must fit a 120-column terminal.
+    t = Table(title=f"Top {len(rows)} ops by time, grouped by module (aten:: prefix omitted)", title_justify="left",
+              box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
+    # Only the shapes column gives way when the terminal is narrow (ellipsis); numbers never do.
+    # Rich only shrinks wrapping columns, so widths are fixed here and shapes gets what is left.
+    first = max([len("module / op")] + [len(_module_label(m)) for m in groups]
+                + [len(_op_label(r.get("op"))) for r in rows])
+    dtype_w = min(9, max([5] + [len(str(r.get("dtype", ""))) for r in rows]))
+    num_w = [max(len(h), 7) for h, _, _ in TOP_COLUMNS]
+    # Rich's fixed column width includes padding and separator: content + 2 (measured with rich
+    # 13/14: a width of content + 1 cuts the last character); +2 for the box edges.
+    fixed = (first + 2) + (dtype_w + 2) + sum(w + 2 for w in num_w) + (13 + 2) + 2
+    t.add_column("module / op", no_wrap=True, width=first + 2)
+    t.add_column("shapes", no_wrap=True, overflow="ellipsis", max_width=max(10, min(40, width - fixed)))
+    t.add_column("dtype", no_wrap=True, overflow="ellipsis", width=dtype_w + 2)
+    for (head, _, _), w in zip(TOP_COLUMNS, num_w):
+        t.add_column(head, justify="right", no_wrap=True, width=w + 2)
+    t.add_column("class", no_wrap=True, width=13 + 2)
+    for module, group in groups.items():
+        t.add_row(Text(_module_label(module), style="bold"))
         for i, r in enumerate(group):
-            cells = [_module_label(module) if i == 0 else ""]
-            cells += [f(v) if (v := _first(r, keys)) is not None else "–" for _, keys, f, _ in TOP_COLUMNS]
+            cells = [Text(_op_label(r.get("op"))), str(r.get("shapes", "")), str(r.get("dtype", ""))]
+            cells += [f(v) if (v := _first(r, keys)) is not None else "–" for _, keys, f in TOP_COLUMNS]
             cls = str(r.get("class", ""))
             t.add_row(*cells, Text(cls, style=CLASS_STYLE.get(cls, "")), end_section=i == len(group) - 1)
     return t
+
+
+def _op_label(op: Any) -> str:
+    op = str(op or "?")
+    return "  " + (op[len("aten::"):] if op.startswith("aten::") else op)
 
 
 def _module_label(path: str) -> str:
@@ -236,7 +253,7 @@ def files_section(run_path: Path | None, summary: dict) -> Text:
 
 def render(summary: dict, run_path: Path | None, console: Console) -> None:
     console.print(header(summary, run_path))
-    for part in (class_table(summary), top_ops_table(summary)):
+    for part in (class_table(summary), top_ops_table(summary, console.width)):
         if part is not None:
             console.print(part)
     if summary.get("steps_recorded", 0) == 0:
