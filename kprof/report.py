@@ -3,6 +3,7 @@ kprof/profile.py fills from the analysis functions; nothing here computes a stat
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -72,6 +73,15 @@ def _first(row: dict, names: Sequence[str]) -> Any:
 # Sections
 
 
+def _short_path(path: str) -> str:
+    """A path relative to the current directory when it lies inside it (as the user typed it)."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive on Windows
+        return path
+    return path if rel.startswith("..") else rel
+
+
 def _is_cpu(summary: dict) -> bool:
     return (summary.get("device") or {}).get("type") == "cpu"
 
@@ -87,7 +97,7 @@ def header(summary: dict, run_path: Path | None) -> Panel:
     g = Table.grid(padding=(0, 2))
     g.add_column(style="bold")
     g.add_column()
-    g.add_row("script", Text(" ".join([summary.get("script", "?"), *summary.get("argv", [])])))
+    g.add_row("script", Text(" ".join([_short_path(summary.get("script", "?")), *summary.get("argv", [])])))
     g.add_row("status", Text(f"{status}" + (f" (exit code {summary.get('exit_code')})" if status == "error" else ""), style=style)
               + Text(f"  {summary.get('status_note') or ''}", style="dim"))
     dev_line = f"{dev.get('name', '?')}"
@@ -229,7 +239,7 @@ def syncs_table(summary: dict) -> Table | Text | Group:
     t.add_column("count", justify="right")
     t.add_column("code", overflow="fold")
     for s in syncs:
-        where = f"{s.get('file', '?')}:{s.get('line', '?')}"
+        where = f"{_short_path(s.get('file', '?'))}:{s.get('line', '?')}"
         if s.get("function"):
             where += f" ({s['function']})"
         t.add_row(where, str(s.get("kind", "?")), str(s.get("count", "")), str(s.get("code", "")).strip())

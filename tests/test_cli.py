@@ -168,6 +168,27 @@ def test_usage_errors_exit_2(capsys, tmp_path):
     assert code == 2
 
 
+def test_live_progress_follows_runner_events():
+    """The runner's progress events (kprof/runner.py run_script docstring) drive one counter per phase."""
+    import io
+
+    from rich.progress import Progress
+
+    p = Progress(console=Console(file=io.StringIO(), width=100))
+    live = cli._LiveProgress(p)
+    live("mode", step_definition="optimizer.step (AdamW)", reason="optimizer.step() was called")
+    for phase, total in (("warmup", 2), ("timing", 3), ("profiler-warmup", 1), ("profiling", 3)):
+        for i in range(total):
+            live("step", phase=phase, index=i, total=total, step=0, last_ms=None)
+    live("step", phase="done", index=3, total=3, step=0, last_ms=None)
+    live("export", path="x")
+    live("analysis")
+    live("save")
+    done = {t.description: (t.completed, t.total) for t in p.tasks}
+    assert done == {"warmup (untimed)": (2, 2), "timed steps": (3, 3), "profiler warm-up": (1, 1),
+                    "profiled steps": (3, 3), "saving the run": (0, None)}
+
+
 def test_python_dash_m(tmp_path):
     r = subprocess.run([sys.executable, "-m", "kprof", "--version"], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.strip() == f"kprof {kprof.__version__}"
