@@ -30,9 +30,9 @@ import triton.language as tl
 from torch import nn
 
 from kprof.errors import KprofError
-from kprof.kernels._common import use_triton, warn_fallback
+from kprof.kernels._common import interpreter_enabled, use_triton, warn_fallback
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
-from kprof.kernels.rms_norm import MAX_FUSED_N, RowConfig, backward_grid
+from kprof.kernels.rms_norm import MAX_FUSED_N, RowConfig, _cast, backward_grid
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -50,6 +50,7 @@ def _layer_norm_fwd_kernel(
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     LOOP: tl.constexpr,
+    EMULATE_RTNE: tl.constexpr,  # interpreter only: see rms_norm._cast
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -69,7 +70,7 @@ def _layer_norm_fwd_kernel(
         x = tl.load(x_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         mean = tl.sum(x, axis=1) / n_cols
         xc = tl.where(mask, x - mean[:, None], 0.0)  # padding must not enter the variance
-        rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / n_cols + eps)
+        rstd = tl.rsqrt(tl.where(row_mask, tl.sum(xc * xc, axis=1) / n_cols + eps, 1.0))  # padding rows: finite, never stored
         tl.store(MEAN + rows, mean, mask=row_mask)
         tl.store(RSTD + rows, rstd, mask=row_mask)
         y = xc * rstd[:, None]
@@ -77,7 +78,7 @@ def _layer_norm_fwd_kernel(
             y = y * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         if HAS_BIAS:
             y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + cols[None, :], _cast(y, Y.dtype.element_ty, EMULATE_RTNE), mask=mask)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK_N):  # pass 1: mean
@@ -92,7 +93,7 @@ def _layer_norm_fwd_kernel(
             x = tl.load(x_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             xc = tl.where(mask, x - mean[:, None], 0.0)
             acc += xc * xc
-        rstd = tl.rsqrt(tl.sum(acc, axis=1) / n_cols + eps)
+        rstd = tl.rsqrt(tl.where(row_mask, tl.sum(acc, axis=1) / n_cols + eps, 1.0))  # padding rows: finite, never stored
         tl.store(MEAN + rows, mean, mask=row_mask)
         tl.store(RSTD + rows, rstd, mask=row_mask)
         for start in range(0, n_cols, BLOCK_N):  # pass 3: output
@@ -105,7 +106,7 @@ def _layer_norm_fwd_kernel(
                 y = y * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
             if HAS_BIAS:
                 y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+            tl.store(y_ptr + cols[None, :], _cast(y, Y.dtype.element_ty, EMULATE_RTNE), mask=mask)
 
 
 @triton.jit
@@ -117,6 +118,7 @@ def _layer_norm_bwd_kernel(
     COMPUTE_DW: tl.constexpr,
     COMPUTE_DB: tl.constexpr,
     LOOP: tl.constexpr,
+    EMULATE_RTNE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -155,7 +157,7 @@ def _layer_norm_bwd_kernel(
             c1 = tl.sum(g * x_hat, axis=1) / n_cols
             c2 = tl.sum(g, axis=1) / n_cols
             dx = (g - c2[:, None] - x_hat * c1[:, None]) * rstd[:, None]
-            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], _cast(dx, DX.dtype.element_ty, EMULATE_RTNE), mask=mask)
             if COMPUTE_DW:
                 dw_acc += dy * x_hat
             if COMPUTE_DB:
@@ -217,7 +219,7 @@ def _layer_norm_bwd_kernel(
                 else:
                     g = dy
                 dx = (g - c2[:, None] - x_hat * c1[:, None]) * rstd[:, None]
-                tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+                tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], _cast(dx, DX.dtype.element_ty, EMULATE_RTNE), mask=mask)
                 if COMPUTE_DW:
                     dw_acc += dy * x_hat
                 if COMPUTE_DB:
@@ -287,6 +289,7 @@ def _launch_fwd(x, weight, bias, eps):
         x2.stride(0), y2.stride(0),
         n_rows, n_cols, eps,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, LOOP=cfg.loop,
+        EMULATE_RTNE=interpreter_enabled(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
     )
     return y, mean, rstd
@@ -319,6 +322,7 @@ def _launch_bwd(dy, x, weight, mean, rstd, compute_dw, compute_db):
         dy2.stride(0), x2.stride(0), dx2.stride(0),
         n_rows, n_cols, rows_per_program,
         HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, LOOP=cfg.loop,
+        EMULATE_RTNE=interpreter_enabled(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
     )
     # Second stage of the dw/db reductions: fixed order over n_programs rows, deterministic.
@@ -531,7 +535,7 @@ def _bwd_op_cost(metas: list[TensorMeta]) -> Cost:
     return c["bwd"]
 
 
-register(
+SPEC = register(
     KernelSpec(
         name="layer_norm",
         replaces="F.layer_norm / nn.LayerNorm over the last dim (native kernel; fused here fwd and one-pass bwd)",

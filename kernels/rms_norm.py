@@ -38,7 +38,7 @@ import triton.language as tl
 from torch import nn
 
 from kprof.errors import KprofError
-from kprof.kernels._common import use_triton, warn_fallback
+from kprof.kernels._common import interpreter_enabled, use_triton, warn_fallback
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -51,6 +51,23 @@ _CASTINGS = ("llama", "gemma")
 
 
 @triton.jit
+def _cast(x, dtype: tl.constexpr, EMULATE_RTNE: tl.constexpr):
+    """fp32 -> `dtype` rounding to nearest even, as `.to` does on the GPU.
+
+    Triton's interpreter (3.9) truncates fp32 -> bf16 (it ignores the rounding mode), so CPU
+    results would differ from the GPU's by up to one bf16 ulp and never match torch bitwise.
+    Under the interpreter (EMULATE_RTNE) the rounding is done on the bits first: add
+    0x7FFF + the lowest kept bit, clear the 16 dropped bits; NaNs pass through unchanged.
+    Compiled kernels take the plain `.to` (EMULATE_RTNE is False there, so no extra work).
+    """
+    if EMULATE_RTNE and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    return x.to(dtype)
+
+
+@triton.jit
 def _rms_norm_fwd_kernel(
     X, R, W, Y, S, RSTD,
     stride_x, stride_r, stride_y, stride_s,
@@ -58,6 +75,7 @@ def _rms_norm_fwd_kernel(
     HAS_RESIDUAL: tl.constexpr,  # s = x + r (rounded to x's dtype) is normalized and stored
     GEMMA: tl.constexpr,  # gemma: y = (x_hat * (w + offset)) cast once; llama: cast x_hat first
     LOOP: tl.constexpr,  # row wider than one block: loop over column tiles
+    EMULATE_RTNE: tl.constexpr,  # interpreter only: see _cast
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -79,16 +97,16 @@ def _rms_norm_fwd_kernel(
         x = tl.load(x_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             r = tl.load(r_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            s = (x + r).to(S.dtype.element_ty)  # HF adds in the activation dtype
+            s = _cast(x + r, S.dtype.element_ty, EMULATE_RTNE)  # HF adds in the activation dtype
             tl.store(s_ptr + cols[None, :], s, mask=mask)
             x = s.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        rstd = tl.rsqrt(tl.where(row_mask, tl.sum(x * x, axis=1) / n_cols + eps, 1.0))  # padding rows: finite, never stored
         tl.store(RSTD + rows, rstd, mask=row_mask)
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
         x_hat = x * rstd[:, None]
         if not GEMMA:
-            x_hat = x_hat.to(X.dtype.element_ty).to(tl.float32)
-        tl.store(y_ptr + cols[None, :], (x_hat * w[None, :]).to(Y.dtype.element_ty), mask=mask)
+            x_hat = _cast(x_hat, X.dtype.element_ty, EMULATE_RTNE).to(tl.float32)
+        tl.store(y_ptr + cols[None, :], _cast(x_hat * w[None, :], Y.dtype.element_ty, EMULATE_RTNE), mask=mask)
     else:
         # Pass 1: sum of squares tile by tile (and the residual sum, stored once).
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -98,11 +116,11 @@ def _rms_norm_fwd_kernel(
             x = tl.load(x_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
                 r = tl.load(r_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                s = (x + r).to(S.dtype.element_ty)
+                s = _cast(x + r, S.dtype.element_ty, EMULATE_RTNE)
                 tl.store(s_ptr + cols[None, :], s, mask=mask)
                 x = s.to(tl.float32)
             acc += x * x
-        rstd = tl.rsqrt(tl.sum(acc, axis=1) / n_cols + eps)
+        rstd = tl.rsqrt(tl.where(row_mask, tl.sum(acc, axis=1) / n_cols + eps, 1.0))  # padding rows: finite, never stored
         tl.store(RSTD + rows, rstd, mask=row_mask)
         # Pass 2: normalize. The residual sum is recomputed from x and r (same rounding, so
         # the same value) rather than re-read from S, which would need a barrier between
@@ -114,12 +132,12 @@ def _rms_norm_fwd_kernel(
             x = tl.load(x_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
                 r = tl.load(r_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                x = (x + r).to(S.dtype.element_ty).to(tl.float32)
+                x = _cast(x + r, S.dtype.element_ty, EMULATE_RTNE).to(tl.float32)
             w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
             x_hat = x * rstd[:, None]
             if not GEMMA:
-                x_hat = x_hat.to(X.dtype.element_ty).to(tl.float32)
-            tl.store(y_ptr + cols[None, :], (x_hat * w[None, :]).to(Y.dtype.element_ty), mask=mask)
+                x_hat = _cast(x_hat, X.dtype.element_ty, EMULATE_RTNE).to(tl.float32)
+            tl.store(y_ptr + cols[None, :], _cast(x_hat * w[None, :], Y.dtype.element_ty, EMULATE_RTNE), mask=mask)
 
 
 @triton.jit
@@ -129,6 +147,7 @@ def _rms_norm_bwd_kernel(
     n_rows, n_cols, offset, rows_per_program,
     HAS_DS: tl.constexpr,  # add the gradient of the residual-sum output (fused add variant)
     LOOP: tl.constexpr,
+    EMULATE_RTNE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -164,7 +183,7 @@ def _rms_norm_bwd_kernel(
             dx = (g - x_hat * c[:, None]) * rstd[:, None]
             if HAS_DS:
                 dx += tl.load(DS + rows64[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], _cast(dx, DX.dtype.element_ty, EMULATE_RTNE), mask=mask)
             dw_acc += dy * x_hat  # masked rows/cols load 0, contribute 0
         tl.store(DW_PART + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
     else:
@@ -205,7 +224,7 @@ def _rms_norm_bwd_kernel(
                 dx = (dy * w[None, :] - x_hat * c[:, None]) * rstd[:, None]
                 if HAS_DS:
                     dx += tl.load(DS + rows64[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+                tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], _cast(dx, DX.dtype.element_ty, EMULATE_RTNE), mask=mask)
                 dw_acc += dy * x_hat
             tl.store(DW_PART + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
 
@@ -349,6 +368,7 @@ def _launch_fwd(x, residual, weight, eps, offset, casting):
         x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0),
         n_rows, n_cols, eps, offset,
         HAS_RESIDUAL=residual is not None, GEMMA=casting == "gemma", LOOP=cfg.loop,
+        EMULATE_RTNE=interpreter_enabled(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
     )
     return y, s, rstd
@@ -374,6 +394,7 @@ def _launch_bwd(dy, x, weight, rstd, ds, offset):
         dy2.stride(0), x2.stride(0), ds2.stride(0), dx2.stride(0),
         n_rows, n_cols, offset, rows_per_program,
         HAS_DS=ds is not None, LOOP=cfg.loop,
+        EMULATE_RTNE=interpreter_enabled(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
     )
     # Second stage of the dw reduction: n_programs x N fp32, a fixed order, so deterministic.
@@ -632,6 +653,16 @@ def rms_norm_cost(
     return {"fwd": Cost(fwd_flops, fwd_bytes), "bwd": Cost(bwd_flops, bwd_bytes)}
 
 
+def rms_norm_add_cost(
+    n_rows: int,
+    n_cols: int,
+    dtype: torch.dtype,
+    weight_dtype: Optional[torch.dtype] = None,
+    casting: str = "llama",
+) -> dict[str, Cost]:
+    return rms_norm_cost(n_rows, n_cols, dtype, weight_dtype, casting, residual=True)
+
+
 def _rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
     return math.prod(shape[:-1]), (shape[-1] if shape else 1)
 
@@ -667,7 +698,7 @@ _LIMITS = (
     f"loop over {LOOP_BLOCK_N}-column tiles (x read twice per pass, the second mostly from L2)"
 )
 
-register(
+SPEC = register(
     KernelSpec(
         name="rms_norm",
         replaces="HF LlamaRMSNorm / GemmaRMSNorm: pow, mean, add, rsqrt, mul, cast, mul (~7 kernels fwd, ~10 bwd)",
@@ -682,7 +713,7 @@ register(
     )
 )
 
-register(
+ADD_SPEC = register(
     KernelSpec(
         name="rms_norm_add",
         replaces="residual add followed by RMSNorm (HF decoder layer: `h = residual + h; h = norm(h)`)",
@@ -692,7 +723,7 @@ register(
         fn=rms_norm_add,
         module=None,
         reference=rms_norm_add_reference,
-        cost=lambda **problem: rms_norm_cost(**{**problem, "residual": True}),
+        cost=rms_norm_add_cost,
         op_costs={"kprof::rms_norm_add_fwd": _add_fwd_op_cost},
     )
 )
