@@ -18,6 +18,7 @@ Two structures, both patched at the top-level forward and verified on the loss a
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import torch
@@ -55,9 +56,10 @@ def match(path: str, m: nn.Module) -> dict | None:
     return None
 
 
-def _loss(hidden, weight, bias, target, *, reduction="mean", num_items=None):
+def _loss(hidden, weight, bias, target, *, num_items=None, softcap=None):
     fused = kernel_fn(KERNEL)
-    loss = fused(hidden, weight, target, bias, ignore_index=IGNORE, reduction="sum" if num_items is not None else reduction)
+    loss = fused(hidden, weight, target, bias, ignore_index=IGNORE, softcap=softcap,
+                 reduction="sum" if num_items is not None else "mean")
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
     return loss
@@ -69,6 +71,7 @@ def _hf_forward(m: nn.Module):
     original = type(m).forward
     sig = inspect.signature(original)
     base = getattr(m, m.base_model_prefix)
+    fields = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
 
     def forward(*args, **kwargs):
         bound = sig.bind(m, *args, **kwargs)
@@ -86,10 +89,10 @@ def _hf_forward(m: nn.Module):
         # ForCausalLMLoss: pad labels with ignore_index on the right, then shift left by one.
         target = F.pad(labels, (0, 1), value=IGNORE)[..., 1:].contiguous()  # (B, T)
         loss = _loss(hidden.reshape(-1, hidden.shape[-1]), m.lm_head.weight, m.lm_head.bias,
-                     target.reshape(-1).to(hidden.device), num_items=num_items)
-        return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(out, "past_key_values", None),
-                                      hidden_states=getattr(out, "hidden_states", None),
-                                      attentions=getattr(out, "attentions", None))
+                     target.reshape(-1).to(hidden.device), num_items=num_items,
+                     softcap=getattr(m.config, "final_logit_softcapping", None))  # Gemma 2's tanh cap
+        rest = {k: v for k, v in out.items() if k in fields and k != "last_hidden_state"}
+        return CausalLMOutputWithPast(loss=loss, logits=None, **rest)
 
     return forward
 
@@ -123,7 +126,7 @@ def loss_output(out):
     """Verification compares the loss only: the patched model returns no logits by design."""
     if isinstance(out, tuple) and len(out) == 2 and not hasattr(out, "loss"):
         return out[1]
-    return out["loss"] if isinstance(out, dict) else getattr(out, "loss", out)
+    return getattr(out, "loss", None) if hasattr(out, "loss") else out
 
 
 def problem(ops) -> dict | None:
