@@ -52,6 +52,23 @@ def fmt_float(v: Any, digits: int = 2) -> str:
     return f"{f:,.{digits}f}"
 
 
+def fmt_sig(v: Any) -> str:
+    """Rates and intensities spanning many decades (CPU vs H200): ~3 significant digits."""
+    f = _num(v)
+    if f is None:
+        return "–"
+    a = abs(f)
+    if a == 0:
+        return "0"
+    if a >= 1000:
+        return f"{f:,.0f}"
+    if a >= 1:
+        return f"{f:.3g}"
+    if a >= 1e-3:
+        return f"{f:.2g}"
+    return f"{f:.1e}"
+
+
 def fmt_bytes(v: Any) -> str:
     f = _num(v)
     if f is None:
@@ -176,9 +193,9 @@ def class_table(summary: dict) -> Table | None:
 TOP_COLUMNS: list[tuple[str, list[str], Callable[[Any], str]]] = [
     ("ms/step", ["ms/step", "time/step (ms)", "time (ms/step)"], fmt_ms),
     ("% step", ["% of step"], fmt_pct),
-    ("TFLOP/s", ["TFLOP/s"], lambda v: fmt_float(v, 2)),
-    ("GB/s", ["GB/s"], lambda v: fmt_float(v, 1)),
-    ("FLOP/B", ["intensity (FLOP/B)"], lambda v: fmt_float(v, 1)),
+    ("TFLOP/s", ["TFLOP/s"], fmt_sig),
+    ("GB/s", ["GB/s"], fmt_sig),
+    ("FLOP/B", ["intensity (FLOP/B)"], fmt_sig),
     ("% roof", ["% of roofline"], fmt_pct),
 ]
 
