@@ -3,6 +3,7 @@ kprof.ceilings); rendering in kprof.report. KprofError is caught once, in main()
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from contextlib import contextmanager
 from enum import Enum
@@ -186,39 +187,24 @@ def calibrate(
                                         "seconds instead of a minute, less accurate.")] = False,
 ) -> None:
     """Measure this device's memory bandwidth, matmul peaks and launch latency; cache them."""
-    from dataclasses import asdict, is_dataclass
+    from dataclasses import asdict
 
-    from rich.table import Table
-
-    from kprof import ceilings
+    from kprof import ceilings, report
     from kprof.runner import device_info
 
     dev = device_info()
-    with err_console.status(f"measuring {dev.get('name', 'the device')}..."):
+    with err_console.status(f"measuring {dev.get('name', 'the device')}{' (quick)' if quick else ''}..."):
         c = ceilings.calibrate(dev, quick=quick)
-    d = asdict(c) if is_dataclass(c) else dict(c)
-    t = Table(title=f"Ceilings of {d.get('device', dev.get('name'))}", title_justify="left")
-    t.add_column("ceiling")
-    t.add_column("value", justify="right")
-    for k, v in d.items():
-        if isinstance(v, dict):
-            for kk, vv in v.items():
-                t.add_row(f"{k} {kk}", str(vv))
-        else:
-            t.add_row(k, str(v))
-    console.print(t)
-    where = getattr(ceilings, "cache_path", None)
-    if callable(where):
-        console.print(f"cached in {where(dev)}")
+    report.render_ceilings(asdict(c), str(ceilings.cache_path(dev)), console)
 
 
-# Room for `kprof suggest` and `kprof apply` (kprof/cli_patch.py registers them when it exists).
-try:
-    from kprof import cli_patch as _cli_patch
-except ImportError:
-    _cli_patch = None
-if _cli_patch is not None and hasattr(_cli_patch, "register"):
-    _cli_patch.register(app)
+# `kprof suggest` and `kprof apply` live in kprof/cli_patch.py (another issue), which registers its
+# commands here once it exists. Checked by file, not by catching ImportError, so that a broken
+# cli_patch fails loudly instead of silently losing the commands.
+if importlib.util.find_spec("kprof.cli_patch") is not None:
+    from kprof import cli_patch
+
+    cli_patch.register(app)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -301,3 +301,20 @@ def render_runs(rows: list[dict], console: Console) -> None:
     for r in rows:
         t.add_row(r["run"], r["status"], r["device"], r["step"], r["ms/step"], r["steps"])
     console.print(t)
+
+
+def render_ceilings(c: dict, cache_path: str | None, console: Console) -> None:
+    """`kprof calibrate`: the measured ceilings (a ceilings.Ceilings as a dict) and where they went."""
+    g = Table.grid(padding=(0, 2))
+    g.add_column(style="bold")
+    g.add_column(justify="right")
+    g.add_column()
+    g.add_row("memory bandwidth", fmt_sig(c.get("mem_bw_gbs")), "GB/s (copy, read + write)")
+    for k, v in _peaks(c):
+        g.add_row(f"{k} peak", fmt_sig(v), "TFLOP/s")
+    g.add_row("latency threshold", fmt_sig(c.get("latency_us")), "us (ops faster than this per launch are latency-bound)")
+    parts: list[Any] = [g, Text(f"source: {c.get('source', '?')}", style="dim")]
+    parts += [Text(f"note: {n}", style="dim") for n in c.get("notes") or []]
+    if cache_path:
+        parts.append(Text(f"cached in {cache_path}; `kprof profile` uses it for this device from now on"))
+    console.print(Panel(Group(*parts), title=f"[bold]kprof calibrate[/bold] · {c.get('device', '?')}", title_align="left"))

@@ -189,6 +189,15 @@ def test_live_progress_follows_runner_events():
                     "profiled steps": (3, 3), "saving the run": (0, None)}
 
 
+def test_calibrate_quick_caches(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("KPROF_CACHE_DIR", str(tmp_path))
+    code, out, _ = kprof_cli(capsys, "calibrate", "--quick")
+    assert code == 0
+    cached = list((tmp_path / "ceilings").glob("*.json"))
+    assert len(cached) == 1 and f"cached in {cached[0]}" in out
+    assert "memory bandwidth" in out and "fp32 peak" in out and "measured by kprof calibrate" in out
+
+
 def test_python_dash_m(tmp_path):
     r = subprocess.run([sys.executable, "-m", "kprof", "--version"], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.strip() == f"kprof {kprof.__version__}"
