@@ -317,3 +317,48 @@ def test_script_too_short_is_a_clear_error(capsys, tmp_path):
     script = _script(tmp_path, "")
     code, _, err = kprof_cli(capsys, "profile", script, "--out", tmp_path / "runs", "--", "4")
     assert code == 1 and "no step was recorded" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU end to end (run on the H200): the same pipeline on CUDA kernels.
+
+
+def _profile_subprocess(root: Path, script: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kprof", "profile", str(script), "--out", str(root), *args],
+                          capture_output=True, text=True, cwd=REPO, env=_env(), timeout=600)
+
+
+@pytest.mark.gpu
+def test_profile_gpt_example_on_gpu(tmp_path):
+    r = _profile_subprocess(tmp_path, GPT, "--", "--device", "cuda", "--dtype", "bfloat16", "--batch-size", "16",
+                            "--seq-len", "256")
+    assert r.returncode == 0, r.stderr
+    run = store.load_run(None, tmp_path)
+    s = run.summary
+    assert s["device"]["type"] == "cuda" and s["steps_recorded"] == 5
+    assert s["ceilings"]["kind"] in ("datasheet", "measured") and s["ceilings"]["mem_bw_gbs"] > 0
+    assert "max_memory_allocated" in s["peak_memory_kind"] and s["peak_memory_bytes"] > 0
+    assert 0 < s["busy_pct"] <= 100 and s["coverage_pct"] >= 95
+    assert s["tokens_per_step"] == 16 * 256 and s["tokens_per_s"] > 0
+    ops = run.ops
+    assert (ops["n_kernels"] > 0).any() and (ops["kernel"] != "").any()
+    assert {"transformer.h.0.attn", "lm_head", "<optimizer>"} <= set(ops["module"])
+    item_line = next(i for i, ln in enumerate(GPT.read_text().splitlines(), 1) if "loss.item()" in ln)
+    assert any(x["line"] == item_line and not x.get("would_sync_on_gpu") for x in s["syncs"])
+
+
+@pytest.mark.gpu
+def test_profile_llama_1b_on_gpu(tmp_path):
+    script = REPO / "examples" / "llama_train.py"
+    r = _profile_subprocess(tmp_path, script, "--warmup", "2", "--steps", "3", "--", "--preset", "1b")
+    assert r.returncode == 0, r.stderr
+    run = store.load_run(None, tmp_path)
+    s = run.summary
+    assert s["device"]["type"] == "cuda" and s["steps_recorded"] == 3 and s["coverage_pct"] >= 95
+    assert s["tokens_per_step"] == 4 * 2048
+    modules = set(run.ops["module"])
+    assert {"model.layers.0.mlp.down_proj", "model.layers.7.self_attn.q_proj", "lm_head"} <= modules
+    # the matmuls of a 1B model in bf16 on an H200 are compute-bound
+    top = pd.DataFrame(s["top_ops"])
+    mm = top[top["op"].isin(["aten::mm", "aten::addmm"])]
+    assert not mm.empty and (mm["class"] == "compute-bound").any()
