@@ -297,6 +297,18 @@ def test_script_raising_saves_partial_run(capsys, tmp_path):
     assert 1 <= run.summary["steps_recorded"] <= 2 and len(run.ops) > 0
 
 
+@pytest.mark.parametrize("body, code, status", [
+    ("if i == 4: sys.exit(3)\n", 3, "error"),  # the script's own non-zero exit code is kept
+    ("if i == 4: raise KeyboardInterrupt\n", 130, "interrupted"),  # Ctrl-C: 128 + SIGINT
+])
+def test_script_exit_and_interrupt_keep_partial_run(capsys, tmp_path, body, code, status):
+    script = _script(tmp_path, body)
+    got, _, _ = kprof_cli(capsys, "profile", script, "--warmup", "1", "--steps", "2", "--out", tmp_path / "runs")
+    assert got == code
+    s = store.load_run(None, tmp_path / "runs").summary
+    assert s["status"] == status and s["steps_recorded"] >= 1
+
+
 def test_script_raising_before_any_step(capsys, tmp_path):
     script = _script(tmp_path, "if i == 0: raise ValueError('too early')\n")
     code, out, err = kprof_cli(capsys, "profile", script, "--out", tmp_path / "runs")
