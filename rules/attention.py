@@ -94,10 +94,11 @@ RULE = Rule(
     profile=ProfilePattern(own_all=("softmax",), own_any=("matmul", "bmm"),
                            own_none=("scaled_dot_product_attention", "scaled_dot_product_flash_attention",
                                      "scaled_dot_product_efficient_attention"),
-                           evidence=("own:matmul", "own:bmm", "own:softmax", "own:masked_fill", "own:mul",
-                                     "own:div", "own:where", "own:add", "own:softmax_backward_data")),
+                           evidence=("own:matmul", "own:bmm", "own:softmax", "own:masked_fill",
+                                     "own:div", "own:where")),
     problem=problem,
     cost=cost,
+    tensor_core=True,
     change="torch.nn.functional.scaled_dot_product_attention (flash / memory-efficient kernel)",
     code_change=("replace the scores/mask/softmax/matmul lines with "
                  "`y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)`; "

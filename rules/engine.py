@@ -113,6 +113,7 @@ class Rule:
     # Cost of the replacement when it is not a kprof kernel (e.g. SDPA): cost(**problem) ->
     # {"fwd": Cost, "bwd": Cost}. Default: the first kernel's KernelSpec.cost.
     cost: Callable[..., Mapping[str, Any]] | None = None
+    tensor_core: bool = False  # the replacement's FLOPs run at the matmul peak (attention, LCE)
     change: str = ""  # what replaces the pattern, in words ("kprof rms_norm kernel")
     code_change: str | None = None  # for rules apply can't do: the edit the user makes
     confidence: str = "high"  # how sure a profile-side match is the pattern: high|medium|low

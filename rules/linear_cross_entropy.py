@@ -132,7 +132,7 @@ def loss_output(out):
 def problem(ops) -> dict | None:
     from kprof.rules.problems import to_dtype
 
-    mm = ops[(ops["phase"] == "forward") & ops["op"].str.contains(r"::(?:mm|addmm|matmul|linear)$", regex=True)]
+    mm = ops[(ops["phase"] == "fwd") & ops["op"].str.contains(r"::(?:mm|addmm|matmul|linear)$", regex=True)]
     best = None
     for shapes, dtypes in zip(mm["input_shapes"], mm["input_dtypes"]):
         s = [tuple(x) for x in shapes if x is not None and len(x)]
@@ -158,5 +158,6 @@ RULE = Rule(
                                      "own:nll_loss_backward", "childmod:mm", "childmod:linear")),
     problem=problem,
     outputs=loss_output,
+    tensor_core=True,
     change="kprof linear_cross_entropy kernel (vocab-chunked; logits never materialised)",
 )

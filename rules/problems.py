@@ -23,7 +23,7 @@ def to_dtype(name) -> torch.dtype:
 
 
 def _first_forward(ops):
-    fwd = ops[ops["phase"] == "forward"] if "phase" in ops else ops
+    fwd = ops[ops["phase"] == "fwd"] if "phase" in ops else ops
     return fwd.iloc[0] if len(fwd) else None
 
 

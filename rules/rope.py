@@ -61,7 +61,7 @@ def problem(ops) -> dict | None:
     (B|1, 1, T, D); the first two distinct 4-D first inputs of such muls are q's and k's."""
     from kprof.rules.problems import to_dtype
 
-    fwd = ops[(ops["phase"] == "forward") & (ops["op"].str.endswith("::mul"))] if len(ops) else ops
+    fwd = ops[(ops["phase"] == "fwd") & (ops["op"].str.endswith("::mul"))] if len(ops) else ops
     shapes, dtype = [], None
     for s, d in zip(fwd["input_shapes"], fwd["input_dtypes"]):
         s = [tuple(x) for x in s if x is not None and len(x)]

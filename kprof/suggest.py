@@ -1,0 +1,305 @@
+"""`kprof suggest`: from a saved profile to a ranked plan of fixes. Pure functions over the run's
+DataFrames; rendering lives in kprof/cli_patch.py.
+
+No model is needed: each rule's `ProfilePattern` is matched against the op table (which ops ran
+in each module, forward phase), the matched modules' evidence ops give the measured time, and the
+replacement's roofline time at the same shapes gives the prediction:
+
+    saving = measured time of the evidence ops (fwd + bwd, per step)
+             - roofline time of the kernel at those shapes (KernelSpec.cost -> FLOPs and bytes,
+               at the run's ceilings: max(FLOPs / peak, bytes / bandwidth), at least one launch
+               latency per pass)
+
+`kprof apply` then confirms each planned match on the live model (structure + probe) before it
+patches anything, so a profile-side false positive costs a line in the report, never a wrong
+result.
+
+The plan is saved as `plan.json` in the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pandas as pd
+
+from kprof.errors import KprofError
+
+PLAN = "plan.json"
+_MATMUL = ("mm", "addmm", "bmm", "matmul", "linear", "baddbmm")
+_SKIP_MODULES = ("<unattributed>", "<optimizer>")
+
+
+def op_base(op: pd.Series) -> pd.Series:
+    """'aten::_log_softmax' -> 'log_softmax': namespace and leading underscores dropped."""
+    return op.astype(str).str.replace(r"^.*::", "", regex=True).str.lstrip("_")
+
+
+def _hits(names: pd.Series, wanted: Sequence[str]) -> pd.Series:
+    """Names equal to one of `wanted` or extending it with '_' (softmax -> softmax_backward_data)."""
+    if not wanted:
+        return pd.Series(False, index=names.index)
+    pat = "^(?:" + "|".join(re.escape(w) for w in wanted) + r")(?:_.*)?$"
+    return names.str.match(pat)
+
+
+def parent_path(path: str) -> str | None:
+    if path == "":
+        return None
+    return path.rsplit(".", 1)[0] if "." in path else ""
+
+
+def module_table(ops: pd.DataFrame, module_classes: dict | None = None) -> pd.DataFrame:
+    """One row per module path: its own forward op names (set) and its direct children.
+    Paths come from the ops and from the run's `module_classes` (modules that run no op of
+    their own, like a container MLP, are still parents), plus every ancestor."""
+    fwd = ops[(ops["phase"] == "fwd") & ~ops["module"].isin(_SKIP_MODULES)]
+    own = fwd.assign(_n=op_base(fwd["op"])).groupby("module", sort=False)["_n"].agg(lambda s: frozenset(s))
+    cls = dict(module_classes or {})
+    cls.update(ops.drop_duplicates("module").set_index("module")["module_class"].to_dict())
+    seen: dict[str, None] = {}
+    for p in list(cls):
+        if p in _SKIP_MODULES:
+            continue
+        while p is not None and p not in seen:
+            seen[p] = None
+            p = parent_path(p)
+    paths = list(seen)
+    t = pd.DataFrame({"module": paths})
+    t["own"] = [own.get(p, frozenset()) for p in paths]
+    t["module_class"] = [cls.get(p, "") for p in paths]
+    t["parent"] = [parent_path(p) for p in paths]
+    kids: dict[str, list[str]] = {}
+    for p, par in zip(t["module"], t["parent"]):
+        if par is not None:
+            kids.setdefault(par, []).append(p)
+    t["children"] = [kids.get(p, []) for p in paths]
+    return t.set_index("module", drop=False)
+
+
+def match_pattern(pattern, table: pd.DataFrame) -> list[str]:
+    """Module paths whose recorded ops fit a rule's ProfilePattern (see rules/engine.py)."""
+    def has(names: frozenset, wanted) -> list[bool]:
+        return [any(n == w or n.startswith(w + "_") for n in names) for w in wanted]
+
+    out = []
+    for path, own, children in zip(table["module"], table["own"], table["children"]):
+        if pattern.root_only and path != "":
+            continue
+        if not all(has(own, pattern.own_all)):
+            continue
+        if pattern.own_any and not any(has(own, pattern.own_any)):
+            continue
+        if any(has(own, pattern.own_none)):
+            continue
+        kid_own = [table.at[c, "own"] for c in children]
+        if pattern.child_any and not any(any(has(k, pattern.child_any)) for k in kid_own):
+            continue
+        if pattern.child_linear and sum(any(has(k, _MATMUL)) for k in kid_own) < pattern.child_linear:
+            continue
+        out.append(path)
+    return out
+
+
+def _with_descendants(ops: pd.DataFrame, sel: np.ndarray) -> np.ndarray:
+    """Add ops nested under selected ops (a matmul's copy_ and bmm children belong to it)."""
+    if "op_id" not in ops or "parent_id" not in ops:
+        return sel
+    ids = pd.to_numeric(ops["op_id"], errors="coerce").to_numpy()
+    parents = pd.to_numeric(ops["parent_id"], errors="coerce").to_numpy()
+    for _ in range(16):  # nesting depth of aten ops is < 10 in practice
+        grown = sel | np.isin(parents, ids[sel])
+        if (grown == sel).all():
+            break
+        sel = grown
+    return sel
+
+
+def evidence_ops(pattern, ops: pd.DataFrame, table: pd.DataFrame, path: str) -> pd.DataFrame:
+    """The ops (all steps, fwd and bwd) a rule's replacement removes at one module path."""
+    mod = ops["module"]
+    in_subtree = (mod == path) | mod.str.startswith(path + ".") if path else ~mod.isin(_SKIP_MODULES)
+    sub = ops[in_subtree & ops["phase"].isin(["fwd", "bwd"])]
+    names = op_base(sub["op"])
+    sel = np.zeros(len(sub), dtype=bool)
+    for item in pattern.evidence:
+        kind, _, name = item.partition(":") if ":" in item else ("*", "", "")
+        if kind == "*":
+            sel[:] = True
+        elif kind == "own":
+            sel |= ((sub["module"] == path) & _hits(names, [name])).to_numpy()
+        elif kind == "subtree":
+            sel |= _hits(names, [name]).to_numpy()
+        elif kind == "childmod":
+            kids = [c for c in table.at[path, "children"]
+                    if any(n == name or n.startswith(name + "_") for n in table.at[c, "own"])]
+            sel |= sub["module"].isin(kids).to_numpy()
+    return sub[_with_descendants(sub, sel)]
+
+
+def group_paths(paths: Sequence[str]) -> list[tuple[str, int]]:
+    """['model.layers.0.mlp', 'model.layers.1.mlp'] -> [('model.layers.*.mlp', 2)]."""
+    pats: dict[str, int] = {}
+    for p in paths:
+        g = re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", p)
+        pats[g] = pats.get(g, 0) + 1
+    return sorted(pats.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
+def roofline_us(cost, ceilings: dict, cls: str) -> float:
+    """max(FLOPs / peak, bytes / bandwidth) in µs, at least one launch latency."""
+    peaks = ceilings.get("peak_tflops") or {}
+    fallback = {"tf32": ("tf32", "fp32"), "bf16": ("bf16", "fp16", "fp32"), "fp16": ("fp16", "bf16", "fp32")}
+    peak = next((float(peaks[k]) for k in fallback.get(cls, (cls, "fp32")) if peaks.get(k)), math.nan)
+    bw = float(ceilings.get("mem_bw_gbs") or math.nan)
+    t = max(cost.flops / (peak * 1e12), cost.bytes / (bw * 1e9)) * 1e6
+    return max(t, float(ceilings.get("latency_us") or 0.0))
+
+
+def _dtype_class(dtype, tf32: bool) -> str:
+    import torch
+
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "tf32" if tf32 else "fp32")
+
+
+def predict_us(rule, problem: dict | None, summary: dict) -> float | None:
+    """Roofline time of the replacement (fwd + bwd) for one matched module, or None if unknown."""
+    from kprof.rules.engine import kernel_spec
+
+    if problem is None:
+        return None
+    cost_fn = rule.cost
+    if cost_fn is None:
+        spec = kernel_spec(rule.kernels[0]) if rule.kernels else None
+        if spec is None:
+            return None
+        cost_fn = spec.cost
+    try:
+        costs = cost_fn(**problem)
+    except TypeError:
+        return None  # the kernel's problem keys changed: say "unknown", don't guess
+    cls = _dtype_class(problem.get("dtype"), bool(summary.get("tf32_assumed"))) if rule.tensor_core else "fp32"
+    return sum(roofline_us(c, summary.get("ceilings") or {}, cls) for c in costs.values())
+
+
+def _source(summary: dict, paths: Sequence[str], classes: Sequence[str]) -> str:
+    """file:line of the matched module's code, if the run recorded it (summary['module_sources'],
+    keyed by module path or class name)."""
+    src = summary.get("module_sources") or {}
+    for p, c in zip(paths, classes):
+        s = src.get(p) or src.get(c)
+        if s:
+            return str(s)
+    return ""
+
+
+def suggest(run, rules: Sequence[Any] | None = None) -> pd.DataFrame:
+    """Ranked suggestions for a saved run (kprof.store.Run). One row per rule that matched."""
+    from kprof.rules import RULES
+
+    rules = list(RULES if rules is None else rules)
+    ops, summary = run.ops, run.summary
+    if ops is None or not len(ops):
+        raise KprofError(f"run {run.name} has no ops; profile again (kprof profile SCRIPT)")
+    n_steps = max(int(summary.get("steps_recorded") or ops["step"].nunique() or 1), 1)
+    step_ms = ((summary.get("profiled_step_time_ms") or {}).get("median")
+               or (summary.get("step_time_ms") or {}).get("median") or math.nan)
+    table = module_table(ops, summary.get("module_classes"))
+    rows = []
+    # Patterns are exclusive by construction (an RMSNorm has no layer_norm op, a gated MLP has the
+    # multiply a Linear -> GELU lacks) and evidence selectors don't overlap (attention's matmuls
+    # and softmax vs RoPE's mul/neg/cat in the same module), so no op is counted twice.
+    for rule in rules:
+        paths = match_pattern(rule.profile, table)
+        if not paths:
+            continue
+        measured = predicted = 0.0
+        known = True
+        evs = []
+        for p in paths:
+            ev = evidence_ops(rule.profile, ops, table, p)
+            evs.append(ev)
+            measured += float(pd.to_numeric(ev["device_time (us)"], errors="coerce").fillna(0).sum()) / n_steps
+            fwd_ev = ev[ev["step"] == ev["step"].min()] if len(ev) else ev
+            pr = predict_us(rule, rule.problem(fwd_ev) if rule.problem else None, summary)
+            if pr is None:
+                known = False
+            else:
+                predicted += pr
+        ev = pd.concat(evs) if evs else ops.iloc[:0]
+        t = pd.to_numeric(ev["device_time (us)"], errors="coerce").fillna(0)
+        att = pd.to_numeric(ev.get("attainable (us)"), errors="coerce") if "attainable (us)" in ev else None
+        cls = (ev.assign(_t=t).groupby("class")["_t"].sum().idxmax() if len(ev) and "class" in ev else "")
+        pct_roof = float(att.fillna(0).sum() / t.sum() * 100) if att is not None and t.sum() > 0 else math.nan
+        saving = max(measured - predicted, 0.0) if known else math.nan
+        classes = [table.at[p, "module_class"] for p in paths]
+        rows.append({
+            "id": rule.id,
+            "title": rule.title,
+            "where": ", ".join(f"{g} x {n}" if n > 1 else g or "<model>" for g, n in group_paths(paths)),
+            "paths": paths,
+            "module_class": ", ".join(sorted(set(classes))),
+            "source": _source(summary, paths, classes),
+            "ms/step": measured / 1e3,
+            "% of step": measured / 1e3 / step_ms * 100 if step_ms == step_ms and step_ms else math.nan,
+            "class": cls,
+            "% of roofline": pct_roof,
+            "change": rule.change,
+            "predicted ms/step": predicted / 1e3 if known else math.nan,
+            "saving ms/step": saving / 1e3 if known else math.nan,
+            "saving %": saving / 1e3 / step_ms * 100 if known and step_ms == step_ms and step_ms else math.nan,
+            "confidence": rule.confidence if known else "low",
+            "applyable": rule.applyable,
+            "how": "kprof apply --patch " + rule.id if rule.applyable else (
+                rule.code_change or f"needs kernel(s) {', '.join(rule.missing_kernels())}"),
+        })
+    cols = ["id", "title", "where", "paths", "module_class", "source", "ms/step", "% of step", "class",
+            "% of roofline", "change", "predicted ms/step", "saving ms/step", "saving %", "confidence",
+            "applyable", "how"]
+    plan = pd.DataFrame(rows, columns=cols)
+    if len(plan):
+        # Known savings first, largest first; then unknown savings by measured time.
+        plan = plan.assign(_k=plan["saving ms/step"].isna()).sort_values(
+            ["_k", "saving ms/step", "ms/step"], ascending=[True, False, False]).drop(columns="_k")
+    return plan.reset_index(drop=True)
+
+
+def _clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, (np.floating,)):
+        return _clean(float(v))
+    if isinstance(v, (np.integer,)):
+        return int(v)
+    if isinstance(v, (np.bool_,)):
+        return bool(v)
+    return v
+
+
+def plan_records(plan: pd.DataFrame) -> list[dict]:
+    return [{k: _clean(v) for k, v in r.items()} for r in plan.to_dict("records")]
+
+
+def save_plan(run, plan: pd.DataFrame) -> Path:
+    doc = {"run": run.name, "script": run.summary.get("script"), "argv": run.summary.get("argv"),
+           "suggestions": plan_records(plan)}
+    path = Path(run.path) / PLAN
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, allow_nan=False))
+    tmp.replace(path)
+    return path
+
+
+def load_plan(run) -> dict:
+    path = Path(run.path) / PLAN
+    if not path.exists():
+        raise KprofError(f"run {run.name} has no plan yet; run `kprof suggest {run.name}` first")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise KprofError(f"{path} is unreadable ({e}); run `kprof suggest {run.name}` again") from e
