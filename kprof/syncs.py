@@ -247,7 +247,11 @@ class SyncDetector(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # Under Dynamo tracing this folds to a plain call: nothing recorded, no graph break.
-        if self.step is not None and not torch.compiler.is_compiling():
+        # is_compiling() must come first: Dynamo would otherwise guard on `self.step` and
+        # recompile at every recorded step.
+        if torch.compiler.is_compiling():
+            return func(*args, **kwargs)
+        if self.step is not None:
             check = _CHECKS.get(func)
             if check is not None:
                 try:
