@@ -67,11 +67,13 @@ def _tanh(u):
 
 
 @triton.jit
-def _ce_grad_block(z, t, offs, y, lse, p_coef, smooth_g, target_g, softcap_on: tl.constexpr):
+def _ce_grad_block(z, t, offs, y, m, p_coef, smooth_g, target_g, softcap_on: tl.constexpr):
     # d loss / d z_j = softmax_j * (1 + 2 z_loss lse) - eps/V - (1 - eps) [j == y], all times the
-    # grad scale (folded into p_coef, smooth_g, target_g by the caller); then through the softcap:
-    # d z / d x = 1 - tanh^2(x / c).
-    g = tl.exp(z - lse) * p_coef - smooth_g
+    # grad scale; the caller folds the scale (and 1/d, see below) into p_coef, smooth_g, target_g.
+    # softmax_j = exp(z_j - m) / d rather than exp(z_j - lse): z_j - m is exact when z_j is near
+    # m, while lse = m + log(d) rounds at |m|'s scale (measured: a flat fp32 row at -1e4 gave
+    # softmax off by 3e-4 relative through lse). Then through the softcap: dz/dx = 1 - tanh^2.
+    g = tl.exp(z - m) * p_coef - smooth_g
     g = tl.where(offs == y, g - target_g, g)
     if softcap_on:
         g = g * (1.0 - t * t)
@@ -118,7 +120,8 @@ def _ce_fwd_kernel(
                     offs = b * BLOCK + cols
                     tl.store(g_row + offs, tl.zeros([BLOCK], tl.float32).to(grad_ptr.dtype.element_ty), mask=offs < n_cols)
         else:
-            # ---- pass 1: online logsumexp (and the sum of logits for label smoothing)
+            # ---- pass 1: running max m, d = sum_j exp(z_j - m), and (label smoothing)
+            # s = sum_j (z_j - m), kept relative to m so that it is exact for flat rows.
             if SINGLE_BLOCK:
                 mask = cols < n_cols
                 x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
@@ -128,12 +131,12 @@ def _ce_fwd_kernel(
                     x = softcap * t
                 z = tl.where(mask, x, float("-inf"))
                 m = tl.max(z, 0)
-                lse = m + tl.log(tl.sum(tl.exp(z - m), 0))
-                zsum = tl.sum(tl.where(mask, x, 0.0), 0)
+                d = tl.sum(tl.exp(z - m), 0)
+                s = tl.sum(tl.where(mask, x - m, 0.0), 0)
             else:
                 m = float("-inf")
                 d = 0.0
-                zsum = 0.0
+                s = 0.0
                 for b in range(0, n_blocks):
                     offs = b * BLOCK + cols
                     mask = offs < n_cols
@@ -143,19 +146,25 @@ def _ce_fwd_kernel(
                     z = tl.where(mask, x, float("-inf"))
                     m_new = tl.maximum(m, tl.max(z, 0))
                     d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
-                    m = m_new
                     if HAS_SMOOTHING:
-                        zsum += tl.sum(tl.where(mask, x, 0.0), 0)
-                lse = m + tl.log(d)
+                        # re-base the b*BLOCK terms seen so far from m to m_new (none before block 0,
+                        # where m is still -inf)
+                        m_old = tl.where(b > 0, m, m_new)
+                        s += (b * BLOCK) * (m_old - m_new)
+                        s += tl.sum(tl.where(mask, x - m_new, 0.0), 0)
+                    m = m_new
+            log_d = tl.log(d)
+            lse = m + log_d
 
-            # ---- loss: lse - (1-eps) z_y - eps/V sum_j z_j  (+ z_loss lse^2)
+            # ---- loss = lse - (1-eps) z_y - eps mean_j z_j  (+ z_loss lse^2)
+            #           = log d + (1-eps) (m - z_y) - eps s / V
             z_y = tl.load(x_row + y).to(tl.float32)
             if HAS_SOFTCAP:
                 z_y = softcap * _tanh(z_y / softcap)
             if HAS_SMOOTHING:
-                loss = lse - (1.0 - label_smoothing) * z_y - (label_smoothing / n_cols) * zsum
+                loss = log_d + (1.0 - label_smoothing) * (m - z_y) - (label_smoothing / n_cols) * s
             else:
-                loss = lse - z_y
+                loss = log_d + (m - z_y)
             if HAS_Z_LOSS:
                 loss += z_loss * lse * lse
             tl.store(loss_ptr + row, loss)
@@ -163,26 +172,26 @@ def _ce_fwd_kernel(
             # ---- pass 2: the gradient, scaled
             if COMPUTE_GRAD:
                 scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
-                p_coef = scale
+                p_coef = scale / d
                 if HAS_Z_LOSS:
-                    p_coef = scale * (1.0 + 2.0 * z_loss * lse)
+                    p_coef = p_coef * (1.0 + 2.0 * z_loss * lse)
                 smooth_g = 0.0
                 if HAS_SMOOTHING:
                     smooth_g = scale * (label_smoothing / n_cols)
                 target_g = scale * (1.0 - label_smoothing)
                 if SINGLE_BLOCK:
-                    g = _ce_grad_block(x, t, cols, y, lse, p_coef, smooth_g, target_g, HAS_SOFTCAP)
+                    g = _ce_grad_block(z, t, cols, y, m, p_coef, smooth_g, target_g, HAS_SOFTCAP)
                     tl.store(g_row + cols, g.to(grad_ptr.dtype.element_ty), mask=cols < n_cols)
                 else:
                     for i in range(0, n_blocks):
                         offs = (n_blocks - 1 - i) * BLOCK + cols  # backwards: reuse what is still in L2
                         mask = offs < n_cols
-                        x = tl.load(x_row + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                        x = tl.load(x_row + offs, mask=mask, other=float("-inf"), eviction_policy="evict_first").to(tl.float32)
                         t = x
                         if HAS_SOFTCAP:
-                            t = _tanh(x / softcap)
+                            t = _tanh(x / softcap)  # -inf -> -1: masked lanes' gradient is 0 either way
                             x = softcap * t
-                        g = _ce_grad_block(x, t, offs, y, lse, p_coef, smooth_g, target_g, HAS_SOFTCAP)
+                        g = _ce_grad_block(x, t, offs, y, m, p_coef, smooth_g, target_g, HAS_SOFTCAP)
                         tl.store(g_row + offs, g.to(grad_ptr.dtype.element_ty), mask=mask, cache_modifier=".cs")
 
 
