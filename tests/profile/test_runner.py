@@ -177,6 +177,14 @@ def test_run_to_end_keeps_all_losses(tmp_path):
     assert len(r.losses) == 12 and all(l == l for l in r.losses)  # no NaN: every step had a loss
 
 
+def test_grad_scaler_losses_are_unscaled(tmp_path):
+    r = run("train_amp.py", tmp_path=tmp_path, warmup=1, steps=2)
+    assert r.status == "stopped" and r.step_definition == "optimizer.step (AdamW)"
+    # backward() sees loss * 1024; the recorded loss is the one before scaling: a random
+    # 64-way classifier starts near ln(64) = 4.16.
+    assert len(r.losses) == 6 and all(3.0 < l < 5.5 for l in r.losses), r.losses
+
+
 def test_forward_step_mode_on_a_training_script(tmp_path):
     r = run("train_mlp.py", tmp_path=tmp_path, warmup=1, steps=2, step_mode="forward")
     assert r.status == "stopped"
@@ -445,3 +453,11 @@ def test_gpu_cpu_tensor_item_is_not_a_sync(tmp_path):
     )
     r = run_script(str(script), [], RunConfig(warmup=1, steps=2, trace_dir=str(tmp_path)))
     assert r.status == "stopped" and r.syncs == []
+
+
+@pytest.mark.gpu
+def test_gpu_grad_scaler_step_is_a_real_sync_at_the_users_line(tmp_path):
+    # GradScaler.step reads found_inf back (`.item()` inside torch.amp): blamed on the call site.
+    r = run("train_amp.py", tmp_path=tmp_path, warmup=1, steps=2)
+    sites = [s for s in r.syncs if s["line"] == line_of("train_amp.py", "kprof-test: scaler-step")]
+    assert sites and all(s["real"] for s in sites) and sites[0]["count"] >= 2, r.syncs
