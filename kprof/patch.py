@@ -142,8 +142,8 @@ class _Unit:
 
     def remove(self) -> None:
         self._restore()
-        if self.record.status != "reverted":
-            self.record.status = "removed"
+        if self.record.status in ("pending", "installed"):
+            self.record.status = "removed"  # verified / reverted stay: they are results
 
 
 @dataclass
@@ -153,11 +153,13 @@ class PatchReport:
     records: list[PatchRecord] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (rule id, why it could not apply)
     _units: list[_Unit] = field(default_factory=list, repr=False)
+    active: bool = True  # False after unpatch()
 
     def unpatch(self) -> None:
         for u in reversed(self._units):
             u.remove()
         self._units.clear()
+        self.active = False
 
     @property
     def failed(self) -> list[PatchRecord]:
