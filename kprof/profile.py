@@ -15,6 +15,7 @@ import datetime as _dt
 import os
 import platform
 import tempfile
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -63,7 +64,16 @@ def profile_script(
             raise KprofError(_nothing_recorded(raw), exit_code=raw.exit_code or 1)
 
         notify("analysis")
-        ops, analysed = analyse(raw)
+        try:
+            ops, analysed = analyse(raw)
+        except Exception:
+            # A bug in kprof's analysis must not cost the user the run: keep what the runner
+            # measured and the raw trace, then fail loudly.
+            tb = traceback.format_exc()
+            summary = build_summary(raw, None) | {"analysis_error": tb}
+            path = store.save_run(summary, pd.DataFrame(), raw.trace_path, root=out_root)
+            raise KprofError(f"kprof's trace analysis failed; this is a kprof bug, please report it with the "
+                             f"trace. The run's measurements and raw trace are saved in {path}.\n{tb.rstrip()}") from None
         summary = build_summary(raw, analysed)
         notify("save")
         path = store.save_run(summary, ops, raw.trace_path, root=out_root)
@@ -113,10 +123,13 @@ def analyse(raw) -> tuple[pd.DataFrame, dict]:
     return ops, out
 
 
-def build_summary(raw, a: dict) -> dict[str, Any]:
-    """summary.json: the raw run's facts plus the analysed sections (fields: see README)."""
+def build_summary(raw, a: dict | None) -> dict[str, Any]:
+    """summary.json: the raw run's facts plus the analysed sections (fields: see README).
+    `a` is None when the analysis failed: the analysed sections are then empty."""
     from dataclasses import asdict
 
+    a = a or {"step_time_ms": None, "profiled_step_time_ms": None, "overhead": None, "idle": None,
+              "ceilings": None, "coverage": None, "class_breakdown": None, "top_ops": None}
     dev = dict(raw.device or {})
     st = a["step_time_ms"]
     tokens_per_s = None
@@ -142,7 +155,7 @@ def build_summary(raw, a: dict) -> dict[str, Any]:
         "device": dev,
         "versions": {k: dev.get(k) for k in ("torch", "triton", "cuda", "python")}
                     | {"kprof": kprof.__version__, "platform": platform.platform()},
-        "ceilings": asdict(a["ceilings"]),
+        "ceilings": asdict(a["ceilings"]) if a["ceilings"] is not None else None,
         "tf32_assumed": False,
         "step_definition": raw.step_definition,
         "warmup": raw.warmup,

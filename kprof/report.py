@@ -286,6 +286,9 @@ def render(summary: dict, run_path: Path | None, console: Console) -> None:
     if summary.get("steps_recorded", 0) == 0:
         console.print(Text("No step was recorded, so there are no op timings.", style="yellow"))
     console.print(syncs_table(summary))
+    if summary.get("analysis_error"):
+        console.print(Panel(Text(summary["analysis_error"].rstrip()), border_style="red", title_align="left",
+                            title="kprof's analysis failed (a kprof bug): only the raw measurements were kept"))
     if summary.get("error"):
         console.print(Panel(Text(summary["error"].rstrip()), title="the script raised", border_style="red",
                             title_align="left"))

@@ -218,6 +218,8 @@ def resolve_run(spec: str | os.PathLike | None, root: str | os.PathLike = DEFAUL
     if spec is None:
         return latest_run(root)
     p = Path(spec)
+    if p.is_file() and p.name in (SUMMARY, OPS, TRACE):  # a file inside a run: its run
+        return p.parent
     if p.is_dir():
         return p
     if (Path(root) / p).is_dir():

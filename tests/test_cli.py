@@ -309,6 +309,22 @@ def test_script_exit_and_interrupt_keep_partial_run(capsys, tmp_path, body, code
     assert s["status"] == status and s["steps_recorded"] >= 1
 
 
+def test_analysis_bug_keeps_the_raw_run(capsys, monkeypatch, tmp_path):
+    def broken(raw):
+        raise ZeroDivisionError("planted analysis bug")
+
+    monkeypatch.setattr("kprof.profile.analyse", broken)
+    script = _script(tmp_path, "")
+    code, _, err = kprof_cli(capsys, "profile", script, "--warmup", "0", "--steps", "1", "--out", tmp_path / "runs")
+    assert code == 1 and "analysis failed" in err and "planted analysis bug" in err
+    run = store.load_run(None, tmp_path / "runs")
+    assert str(run.path) in err.replace("\n", "")
+    assert "ZeroDivisionError" in run.summary["analysis_error"] and run.summary["steps_recorded"] == 1
+    assert run.trace_path is not None and run.ops.empty
+    code, out, _ = kprof_cli(capsys, "report", run.path)
+    assert code == 0 and "analysis failed" in out
+
+
 def test_script_raising_before_any_step(capsys, tmp_path):
     script = _script(tmp_path, "if i == 0: raise ValueError('too early')\n")
     code, out, err = kprof_cli(capsys, "profile", script, "--out", tmp_path / "runs")

@@ -103,6 +103,7 @@ def test_list_and_latest(tmp_path):
     assert store.latest_run(tmp_path) == b
     assert store.resolve_run("20250101-000000-a", tmp_path) == a
     assert store.resolve_run(str(a), tmp_path / "elsewhere") == a
+    assert store.resolve_run(a / "summary.json", tmp_path) == a
 
 
 def test_missing_and_corrupt_runs_name_the_file(tmp_path):
