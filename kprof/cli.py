@@ -101,7 +101,9 @@ def _live() -> Iterator[_LiveProgress | None]:
         return
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
-    with Progress(*columns, console=err_console, transient=True, redirect_stdout=True,
+    # The script's prints are routed above the live display, but only when stdout is the same
+    # terminal: `kprof profile x.py > log` must still put the script's output in the log.
+    with Progress(*columns, console=err_console, transient=True, redirect_stdout=sys.stdout.isatty(),
                   redirect_stderr=True) as p:
         yield _LiveProgress(p)
 
