@@ -16,7 +16,8 @@ Napkin math, H200 (4.27 TB/s measured copy bandwidth), bf16, x of 16384 x 4096 (
 The launch configuration (`RowConfig`, the persistent grid) is shared with rms_norm so both
 norms are tuned in one place. Rows up to MAX_FUSED_N are held in registers (x read once);
 wider rows loop over column tiles and read x three times in the forward (mean, variance,
-output: two-pass variance, not sum-of-squares, for accuracy when |mean| >> std) and twice in
+output: a corrected two-pass variance, not sum-of-squares, for accuracy when |mean| >> std)
+and twice in
 the backward.
 """
 
@@ -70,7 +71,13 @@ def _layer_norm_fwd_kernel(
         x = tl.load(x_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         mean = tl.sum(x, axis=1) / n_cols
         xc = tl.where(mask, x - mean[:, None], 0.0)  # padding must not enter the variance
-        rstd = tl.rsqrt(tl.where(row_mask, tl.sum(xc * xc, axis=1) / n_cols + eps, 1.0))  # padding rows: finite, never stored
+        # Corrected two-pass (Chan, Golub & LeVeque 1983): the fp32 sum behind `mean` is off by
+        # ~1e-7 * |mean| * log2(N) (1.2e-4 at mean 1000, N 300: 6e-5 of a std of 2, over the
+        # fp32 tolerance); the residuals' sum recovers that error almost exactly.
+        corr = tl.sum(xc, axis=1) / n_cols
+        mean += corr
+        xc = tl.where(mask, xc - corr[:, None], 0.0)
+        rstd = tl.rsqrt(tl.where(row_mask, tl.sum(xc * xc, axis=1) / n_cols + eps, 1.0))  # padding rows: finite
         tl.store(MEAN + rows, mean, mask=row_mask)
         tl.store(RSTD + rows, rstd, mask=row_mask)
         y = xc * rstd[:, None]
@@ -87,21 +94,26 @@ def _layer_norm_fwd_kernel(
             acc += tl.load(x_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         mean = tl.sum(acc, axis=1) / n_cols
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_sq = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK_N):  # pass 2: variance about the mean
             cols = start + tl.arange(0, BLOCK_N)
             mask = row_mask[:, None] & (cols < n_cols)[None, :]
             x = tl.load(x_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             xc = tl.where(mask, x - mean[:, None], 0.0)
-            acc += xc * xc
-        rstd = tl.rsqrt(tl.where(row_mask, tl.sum(acc, axis=1) / n_cols + eps, 1.0))  # padding rows: finite, never stored
-        tl.store(MEAN + rows, mean, mask=row_mask)
+            acc += xc
+            acc_sq += xc * xc
+        # Corrected two-pass, as in the in-register branch: var = E[xc²] - corr², corr << std.
+        corr = tl.sum(acc, axis=1) / n_cols
+        var = tl.sum(acc_sq, axis=1) / n_cols - corr * corr
+        rstd = tl.rsqrt(tl.where(row_mask, var + eps, 1.0))  # padding rows: finite, never stored
+        tl.store(MEAN + rows, mean + corr, mask=row_mask)
         tl.store(RSTD + rows, rstd, mask=row_mask)
         for start in range(0, n_cols, BLOCK_N):  # pass 3: output
             cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < n_cols
             mask = row_mask[:, None] & col_mask[None, :]
             x = tl.load(x_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            y = (x - mean[:, None]) * rstd[:, None]
+            y = (x - mean[:, None] - corr[:, None]) * rstd[:, None]  # mean and corr kept apart
             if HAS_WEIGHT:
                 y = y * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
             if HAS_BIAS:
@@ -149,7 +161,11 @@ def _layer_norm_bwd_kernel(
             x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
             rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-            x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+            # The saved fp32 mean is rounded (ulp(|mean|) / 2 off: 3e-5 at 1000); re-center on
+            # the residuals' mean as the forward did, or x_hat is off by that much / std.
+            xc = tl.where(mask, x - mean[:, None], 0.0)
+            xc = tl.where(mask, xc - (tl.sum(xc, axis=1) / n_cols)[:, None], 0.0)
+            x_hat = xc * rstd[:, None]
             if HAS_WEIGHT:
                 g = dy * w[None, :]
             else:
@@ -167,8 +183,10 @@ def _layer_norm_bwd_kernel(
         if COMPUTE_DB:
             tl.store(DB_PART + pid * n_cols + cols, tl.sum(db_acc, axis=0), mask=col_mask)
     else:
-        # Phase A: c1 = mean(g * x_hat) and c2 = mean(g) of every row of the chunk, into the
-        # fp32 scratch C = [c1 (n_rows), c2 (n_rows)].
+        # Phase A: per row, c1 = mean(g * x_hat), c2 = mean(g) and the mean's re-centering
+        # corr = mean(x - mean) (see the in-register branch), into the fp32 scratch
+        # C = [c1, c2, corr] (n_rows each). With xc = x - mean, x_hat = (xc - corr) * rstd, so
+        # c1 = rstd * (mean(g * xc) - corr * c2): one pass over the row.
         for row0 in range(row_start, row_end, BLOCK_M):
             rows = row0 + tl.arange(0, BLOCK_M)
             row_mask = rows < row_end
@@ -177,21 +195,26 @@ def _layer_norm_bwd_kernel(
             rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
             acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
                 col_mask = cols < n_cols
                 mask = row_mask[:, None] & col_mask[None, :]
                 dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
                 x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+                xc = tl.where(mask, x - mean[:, None], 0.0)
                 if HAS_WEIGHT:
                     g = dy * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
                 else:
                     g = dy
-                acc1 += g * x_hat
+                acc1 += g * xc
                 acc2 += g
-            tl.store(C + rows, tl.sum(acc1, axis=1) / n_cols, mask=row_mask)
-            tl.store(C + n_rows + rows, tl.sum(acc2, axis=1) / n_cols, mask=row_mask)
+                acc3 += xc
+            c2 = tl.sum(acc2, axis=1) / n_cols
+            corr = tl.sum(acc3, axis=1) / n_cols
+            tl.store(C + rows, rstd * (tl.sum(acc1, axis=1) / n_cols - corr * c2), mask=row_mask)
+            tl.store(C + n_rows + rows, c2, mask=row_mask)
+            tl.store(C + 2 * n_rows + rows, corr, mask=row_mask)
         # C was written by other threads of this program: make it visible before reading.
         tl.debug_barrier()
         # Phase B: column tile outer, rows inner, so a tile's dw/db partials stay in registers.
@@ -213,7 +236,8 @@ def _layer_norm_bwd_kernel(
                 rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
                 c1 = tl.load(C + rows, mask=row_mask, other=0.0)
                 c2 = tl.load(C + n_rows + rows, mask=row_mask, other=0.0)
-                x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+                corr = tl.load(C + 2 * n_rows + rows, mask=row_mask, other=0.0)
+                x_hat = tl.where(mask, (x - mean[:, None] - corr[:, None]) * rstd[:, None], 0.0)
                 if HAS_WEIGHT:
                     g = dy * w[None, :]
                 else:
@@ -314,8 +338,8 @@ def _launch_bwd(dy, x, weight, mean, rstd, compute_dw, compute_db):
     n_programs, rows_per_program = backward_grid(n_rows, cfg, x.device)
     dw_part = torch.empty((n_programs, n_cols) if compute_dw else (1,), dtype=torch.float32, device=x.device)
     db_part = torch.empty((n_programs, n_cols) if compute_db else (1,), dtype=torch.float32, device=x.device)
-    # Per-row scratch (c1, c2) for the looped path only; a dummy otherwise.
-    c = torch.empty(2 * n_rows if cfg.loop else 1, dtype=torch.float32, device=x.device)
+    # Per-row scratch (c1, c2, corr) for the looped path only; a dummy otherwise.
+    c = torch.empty(3 * n_rows if cfg.loop else 1, dtype=torch.float32, device=x.device)
     _layer_norm_bwd_kernel[(n_programs,)](
         dy2, x2, weight.contiguous() if weight is not None else x2, mean.reshape(-1), rstd.reshape(-1),
         dx2, dw_part, db_part, c,
@@ -475,11 +499,13 @@ def layer_norm_reference(
 # --------------------------------------------------------------------------------------------
 
 # FLOPs per element, counted from the kernels above:
-#   forward:  +sum (1), x - mean (1), xc*xc and +sum (2), *rstd (1), *w (1), +b (1)      = 7
-#   backward: x_hat (2), g = dy*w (1), g*x_hat and +sum (2), +sum g (1),
-#             dx = (g - c2 - x_hat*c1)*rstd (4), dw += dy*x_hat (2), db += dy (1)       = 13
+#   forward:  +sum (1), x - mean (1), +sum and - corr (2), xc*xc and +sum (2), *rstd (1),
+#             *w (1), +b (1)                                                             = 9
+#   backward: x - mean, +sum, - corr, *rstd (4), g = dy*w (1), g*x_hat and +sum (2),
+#             +sum g (1), dx = (g - c2 - x_hat*c1)*rstd (4), dw += dy*x_hat (2),
+#             db += dy (1)                                                               = 15
 # (the affine terms are counted even without weight/bias: an upper bound by 2-3 FLOP).
-_FWD_FLOPS, _BWD_FLOPS = 7, 13
+_FWD_FLOPS, _BWD_FLOPS = 9, 15
 
 
 def _size(dtype: torch.dtype) -> int:

@@ -1,0 +1,317 @@
+"""kprof.kernels.layer_norm against its reference (F.layer_norm upcast) and nn.LayerNorm.
+
+Shapes cross the kernel's regimes as in test_rms_norm: tiny rows, many short rows per block
+(300x64), odd widths (781, 4097), the looped path (one 65536-wide row, and a shrunk
+in-register limit at small sizes). 1823x781 and the benchmark shape are GPU-only; 37x781
+stands in on the CPU (Triton interpreter).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kprof.errors import KprofError
+from kprof.kernels import registry
+from kprof.kernels import rms_norm as rms_norm_module  # owns the shared RowConfig limits
+from kprof.kernels._common import assert_close
+from kprof.kernels.layer_norm import SPEC, LayerNorm, layer_norm, layer_norm_reference
+from kprof.kernels.rms_norm import MAX_FUSED_N
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # for hypothesis tests (no fixtures there)
+gpu = pytest.mark.gpu
+AFFINE = ["weight+bias", "weight", "bias", "none"]
+
+SHAPES = [
+    (1, 1),
+    (3, 7),
+    (300, 64),
+    (37, 781),
+    (2, 5, 4097),
+    (1, 65536),  # looped path
+    pytest.param((1, MAX_FUSED_N), marks=gpu),  # widest in-register row
+    pytest.param((20, MAX_FUSED_N + 1), marks=gpu),  # narrowest looped row, several rows per program
+    pytest.param((1823, 781), marks=gpu),
+    pytest.param((64, 8192), marks=gpu),
+    pytest.param((16384, 4096), marks=gpu),  # the benchmark shape
+    pytest.param((3, 131072), marks=gpu),
+]
+
+
+def _upcast(t):
+    """The reference runs in fp64 for fp32 inputs, fp32 for half inputs."""
+    if t is None:
+        return None
+    return t.to(torch.float64 if t.dtype == torch.float32 else torch.float32)
+
+
+def _inputs(shape, dtype, device, affine="weight+bias", p_dtype=None, seed=0, mean=0.5):
+    g = torch.Generator().manual_seed(seed)
+    n = shape[-1]
+    x = (torch.randn(shape, generator=g) * 2.0 + mean).to(device=device, dtype=dtype)
+    w = (torch.randn(n, generator=g) * 0.2 + 1.0).to(device=device, dtype=p_dtype or dtype)
+    b = (torch.randn(n, generator=g) * 0.2).to(device=device, dtype=p_dtype or dtype)
+    return x, (w if "weight" in affine else None), (b if "bias" in affine else None)
+
+
+def _check(x, w, b, eps=1e-5):
+    """Forward and backward (dx, dweight, dbias) of the kernel vs the upcast reference."""
+    leaves = [t.detach().requires_grad_() if t is not None else None for t in (x, w, b)]
+    x, w, b = leaves
+    y = layer_norm(x, w, b, eps)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    refs = [_upcast(t.detach()).requires_grad_() if t is not None else None for t in leaves]
+    yr = layer_norm_reference(*refs, eps)
+    yr.backward(_upcast(dy))
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert_close(y, yr, x.dtype, msg="forward")
+    for name, t, r in zip(("dx", "dweight", "dbias"), leaves, refs):
+        if t is not None:
+            assert t.grad.dtype == t.dtype
+            # Accuracy is bounded by the activations' dtype.
+            assert_close(t.grad, r.grad, x.dtype, msg=name)
+    return y
+
+
+@pytest.mark.parametrize("affine", AFFINE[:2])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_reference(shape, dtype, affine, device):
+    _check(*_inputs(shape, dtype, device, affine))
+
+
+@pytest.mark.parametrize("affine", AFFINE)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 7), (37, 781), pytest.param((1823, 781), marks=gpu)])
+def test_affine_variants(shape, dtype, affine, device):
+    """With and without weight and bias, including F.layer_norm's bias-without-weight."""
+    _check(*_inputs(shape, dtype, device, affine, seed=1))
+
+
+@pytest.mark.parametrize("affine", AFFINE)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_looped_path_small(dtype, affine, monkeypatch, device):
+    """The looped (wide-row) path at interpreter-friendly sizes: shrink the in-register limit
+    so 11 x 150 rows take 5 column tiles (the last one partial) and the 8 CPU programs get
+    one or two rows each."""
+    monkeypatch.setattr(rms_norm_module, "MAX_FUSED_N", 64)
+    monkeypatch.setattr(rms_norm_module, "LOOP_BLOCK_N", 32)
+    assert rms_norm_module.RowConfig.backward(150).loop
+    _check(*_inputs((11, 150), dtype, device, affine, seed=2))
+
+
+@pytest.mark.parametrize("p_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])
+def test_mixed_param_dtype(x_dtype, p_dtype, device):
+    """fp32 parameters with half activations (autocast keeps LayerNorm params in fp32): the
+    output keeps x's dtype, the grads their parameters' dtypes."""
+    _check(*_inputs((37, 129), x_dtype, device, p_dtype=p_dtype, seed=3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mean", [1e3, -3e2])
+def test_large_mean(mean, dtype, device):
+    """|mean| >> std: a one-pass E[x²] - E[x]² variance would lose every digit in fp32 here,
+    and a plain two-pass one ~6e-5 (torch's own fp32 layer_norm is off by 3.4e-5 at mean
+    1000); the corrected two-pass stays within the fp32 tolerance (in-register and looped)."""
+    _check(*_inputs((9, 300), dtype, device, seed=4, mean=mean))
+    _check(*_inputs((1, 65536), dtype, device, seed=4, mean=mean))
+
+
+def test_matches_nn_layer_norm_module(device):
+    """Drop-in for nn.LayerNorm: state dicts load both ways, outputs and grads agree."""
+    for kwargs in (dict(), dict(bias=False), dict(elementwise_affine=False)):
+        ref = torch.nn.LayerNorm(96, eps=1e-6, device=device, **kwargs)
+        if kwargs.get("elementwise_affine", True):
+            with torch.no_grad():
+                ref.weight.normal_(1.0, 0.2)
+                if ref.bias is not None:
+                    ref.bias.normal_(0.0, 0.2)
+        ours = LayerNorm(96, eps=1e-6, device=device, **kwargs)
+        ours.load_state_dict(ref.state_dict())
+        assert list(ours.state_dict()) == list(ref.state_dict())
+        assert isinstance(ours, torch.nn.LayerNorm)
+        x = torch.randn(4, 7, 96, device=device)
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        dy = torch.randn_like(x)
+        y_ref, y = ref(x1), ours(x2)
+        y_ref.backward(dy)
+        y.backward(dy)
+        assert_close(y, y_ref)
+        assert_close(x2.grad, x1.grad)
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            assert_close(p.grad / 28, q.grad / 28)  # sums over 28 rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("view", ["transposed", "strided_cols", "column_slice", "expanded"])
+def test_non_contiguous(view, dtype, device):
+    if view == "transposed":
+        x = torch.randn(781, 37, device=device).to(dtype).t()  # [37, 781], column stride 37
+    elif view == "strided_cols":
+        x = torch.randn(3, 5, 2 * 301, device=device).to(dtype)[..., ::2]
+    elif view == "column_slice":
+        x = torch.randn(9, 1000, device=device).to(dtype)[:, 3:784]  # row stride 1000, no copy
+    else:
+        x = torch.randn(1, 129, device=device).to(dtype).expand(4, 129)  # row stride 0
+    assert not x.is_contiguous()
+    n = x.shape[-1]
+    w = torch.randn(2 * n, device=device).to(dtype)[::2]  # strided parameters
+    b = torch.randn(n, 2, device=device).to(dtype)[:, 1]
+    _check(x, w, b)
+
+
+@pytest.mark.parametrize("shape", [(0, 16), (2, 0, 8), (3, 0)])
+def test_empty(shape, device):
+    x = torch.randn(shape, device=device, requires_grad=True)
+    w = torch.ones(shape[-1], device=device, requires_grad=True)
+    b = torch.zeros(shape[-1], device=device, requires_grad=True)
+    y = layer_norm(x, w, b)
+    assert y.shape == x.shape
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    cols=st.integers(1, 400),
+    dtype=st.sampled_from(DTYPES),
+    affine=st.sampled_from(AFFINE),
+    eps=st.sampled_from([1e-6, 1e-5, 0.1]),
+    scale=st.floats(1e-2, 1e2),
+    seed=st.integers(0, 2**16),
+)
+def test_property_matches_reference(rows, cols, dtype, affine, eps, scale, seed):
+    x, w, b = _inputs((rows, cols), dtype, DEVICE, affine, seed=seed)
+    _check((x.float() * scale).to(dtype), w, b, eps)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    rows=st.integers(1, 8),
+    cols=st.integers(2, 300),
+    shift=st.floats(-50, 50),
+    scale=st.floats(1e-2, 1e2),
+    seed=st.integers(0, 2**16),
+)
+def test_property_invariants(rows, cols, shift, scale, seed):
+    """Without affine and eps: rows come out with mean 0 and variance 1, and shifting or
+    scaling the input changes nothing (up to fp32 rounding)."""
+    x, _, _ = _inputs((rows, cols), torch.float32, DEVICE, seed=seed, mean=0.0)
+    y = layer_norm(x, None, None, 0.0)
+    yd = y.double()
+    zeros = torch.zeros(rows, dtype=torch.float64, device=DEVICE)
+    torch.testing.assert_close(yd.mean(-1), zeros, atol=1e-5, rtol=0)
+    torch.testing.assert_close(yd.var(-1, unbiased=False), zeros + 1, atol=1e-4, rtol=0)
+    assert_close(layer_norm(x * scale + shift, None, None, 0.0), y, msg="shift/scale invariance")
+
+
+@pytest.mark.parametrize("looped", [False, True])
+def test_deterministic(looped, monkeypatch, device):
+    cols = 781
+    if looped:  # the looped path at a small width, as in test_looped_path_small
+        monkeypatch.setattr(rms_norm_module, "MAX_FUSED_N", 64)
+        monkeypatch.setattr(rms_norm_module, "LOOP_BLOCK_N", 32)
+        cols = 150
+    x, w, b = _inputs((23, cols), torch.bfloat16, device, seed=5)
+    dy = torch.randn(23, cols, device=device).to(torch.bfloat16)
+    outs = []
+    for _ in range(2):
+        xs, ws, bs = (t.detach().clone().requires_grad_() for t in (x, w, b))
+        y = layer_norm(xs, ws, bs)
+        y.backward(dy)
+        outs.append([y, xs.grad, ws.grad, bs.grad])
+    assert SPEC.deterministic
+    for a, c in zip(*outs):
+        assert torch.equal(a, c)
+
+
+def test_torch_compile_no_graph_break(device):
+    x, w, b = _inputs((2, 6, 40), torch.bfloat16, device, seed=6)
+
+    def block(x, w, b):
+        return layer_norm(x * 2.0, w, b, 1e-6) + layer_norm(x, None, None)
+
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    results = []
+    for fn in (compiled, block):
+        xs, ws, bs = (t.detach().clone().requires_grad_() for t in (x, w, b))
+        y = fn(xs, ws, bs)
+        y.float().pow(2).sum().backward()
+        results.append([y, xs.grad, ws.grad, bs.grad])
+    for a, c in zip(*results):
+        assert torch.equal(a, c)  # the same kernels run either way
+
+
+def test_custom_ops_opcheck(device):
+    """Fake (meta) implementations agree with the real ones; schemas are sound."""
+    x, w, b = _inputs((5, 33), torch.bfloat16, device)
+    torch.library.opcheck(torch.ops.kprof.layer_norm_fwd, (x, w, b, 1e-5))
+    torch.library.opcheck(torch.ops.kprof.layer_norm_fwd, (x, None, None, 1e-5))
+    torch.library.opcheck(torch.ops.kprof.layer_norm_fwd, (x, w.float(), None, 1e-5))
+    y, mean, rstd = torch.ops.kprof.layer_norm_fwd(x, w, b, 1e-5)
+    dy = torch.randn_like(y)
+    torch.library.opcheck(torch.ops.kprof.layer_norm_bwd, (dy, x, w, mean, rstd, True, True))
+    torch.library.opcheck(torch.ops.kprof.layer_norm_bwd, (dy, x, None, mean, rstd, False, False))
+
+
+def test_module_rejects_multi_dim_shapes(device):
+    with pytest.raises(KprofError, match="last dim only"):
+        LayerNorm((4, 8))
+    m = LayerNorm(8, device=device)
+    with pytest.raises(KprofError, match="last dim 8"):
+        m(torch.randn(2, 9, device=device))
+
+
+def test_fallback_without_triton(monkeypatch):
+    """CPU without the interpreter: warns once and runs the reference (with autograd)."""
+    from kprof.kernels import _common
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(_common, "_warned", set())
+    x, w, b = _inputs((3, 5), torch.float32, "cpu")
+    with pytest.warns(UserWarning, match="layer_norm.*reference"):
+        y = layer_norm(x, w, b)
+    assert torch.equal(y, F.layer_norm(x, (5,), w, b, 1e-5))
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda d: (torch.ones(3, 4, dtype=torch.int32, device=d), None, None), "torch.int32"),
+        (lambda d: (torch.ones(3, 4, dtype=torch.float64, device=d), None, None), "torch.float64"),
+        (lambda d: (torch.ones(3, 4, device=d), torch.ones(4, dtype=torch.float64, device=d), None), "weight torch.float64"),
+        (lambda d: (torch.tensor(1.0, device=d), None, None), "scalar"),
+        (lambda d: (torch.ones(3, 4, device=d), torch.ones(5, device=d), None), r"weight must have shape \(4,\).*\(5,\)"),
+        (lambda d: (torch.ones(3, 4, device=d), None, torch.ones(3, 4, device=d)), r"bias must have shape \(4,\)"),
+    ],
+)
+def test_bad_input(make, match, device):
+    with pytest.raises(KprofError, match=match):
+        layer_norm(*make(device))
+
+
+def test_cost_model():
+    n_rows, n_cols = 16384, 4096
+    n = n_rows * n_cols
+    c = SPEC.cost(n_rows=n_rows, n_cols=n_cols, dtype=torch.bfloat16)
+    stats = 2 * n_rows * 4  # mean and rstd, fp32
+    assert c["fwd"].bytes == 2 * n * 2 + 2 * n_cols * 2 + stats  # x, w, b -> y, mean, rstd
+    assert c["bwd"].bytes == 3 * n * 2 + 3 * n_cols * 2 + stats  # dy, x, w, mean, rstd -> dx, dw, db
+    assert c["fwd"].flops == 9 * n and c["bwd"].flops == 15 * n
+    bare = SPEC.cost(n_rows=n_rows, n_cols=n_cols, dtype=torch.bfloat16, has_weight=False, has_bias=False)
+    assert bare["fwd"].bytes == 2 * n * 2 + stats and bare["bwd"].bytes == 3 * n * 2 + stats
+
+    x = registry.TensorMeta((4, 4096, 4096), torch.bfloat16)
+    p = registry.TensorMeta((4096,), torch.bfloat16)
+    stat = registry.TensorMeta((4, 4096), torch.float32)
+    assert registry.op_cost("kprof::layer_norm_fwd", [x, p, p]) == c["fwd"]
+    assert registry.op_cost("kprof::layer_norm_fwd", [x]).bytes == bare["fwd"].bytes
+    assert registry.op_cost("kprof::layer_norm_bwd", [x, x, p, stat, stat]) == c["bwd"]
+    assert registry.op_cost("kprof::layer_norm_bwd", [x, x, stat, stat]) == bare["bwd"]
+    assert registry.get("layer_norm") is SPEC
