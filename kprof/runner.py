@@ -194,16 +194,20 @@ def device_info() -> dict:
         "hostname": socket.gethostname(),
     }
     if torch.cuda.is_available():
-        idx = torch.cuda.current_device()
-        props = torch.cuda.get_device_properties(idx)
-        info.update(
-            type="cuda",
-            index=idx,
-            name=props.name,
-            capability=f"{props.major}.{props.minor}",
-            sm_count=props.multi_processor_count,
-            total_memory=props.total_memory,
-        )
+        try:
+            idx = torch.cuda.current_device()
+            props = torch.cuda.get_device_properties(idx)
+            info.update(
+                type="cuda",
+                index=idx,
+                name=props.name,
+                capability=f"{props.major}.{props.minor}",
+                sm_count=props.multi_processor_count,
+                total_memory=props.total_memory,
+            )
+        except Exception as e:  # e.g. the script left the context broken (device-side assert)
+            info.update(type="cuda", index=None, name=f"unknown CUDA device ({e.__class__.__name__})",
+                        capability=None, sm_count=None, total_memory=None)
     else:
         try:
             mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -268,7 +272,9 @@ class _ModInfo:
         self.cls = cls
         self.range_name = f"{MODULE_RANGE_PREFIX}{path}:{cls}"
         self.nvtx_name = f"{path} ({cls})"
-        self.root = root
+        # Weak: infos live in a WeakKeyDictionary keyed by module; a strong reference to the
+        # root would keep every module (and a model the script dropped) alive.
+        self.root = weakref.ref(root)
 
 
 def _unwrap_compiled(module: nn.Module) -> nn.Module:
@@ -322,7 +328,7 @@ class _Session:
 
         # modules
         self.info: "weakref.WeakKeyDictionary[nn.Module, _ModInfo]" = weakref.WeakKeyDictionary()
-        self.roots: list[tuple[weakref.ref, str]] = []
+        self.roots: list[tuple[weakref.ref, str, str]] = []  # (root, path prefix, class)
         self.module_classes: dict[str, str] = {}
         self.tls = threading.local()
         self.all_stacks: list[list] = []
@@ -391,7 +397,8 @@ class _Session:
     def _script_traceback(self, e: BaseException) -> str:
         # Drop the frames of kprof and runpy above the script's first frame.
         tb = e.__traceback__
-        while tb is not None and os.path.realpath(tb.tb_frame.f_code.co_filename) != self.script:
+        script = os.path.realpath(self.script)
+        while tb is not None and os.path.realpath(tb.tb_frame.f_code.co_filename) != script:
             tb = tb.tb_next
         if tb is None:  # e.g. SyntaxError: no frame in the script
             tb = e.__traceback__
@@ -401,7 +408,6 @@ class _Session:
 
     # ------------------------------------------------------------------ install / uninstall
     def _install(self) -> None:
-        from torch.nn.modules import module as nn_module
         from torch.optim import optimizer as optim_module
 
         self._add_module_hooks()
@@ -641,20 +647,28 @@ class _Session:
     def _discover(self, module: nn.Module) -> None:
         # A module called outside any forward: a submodule of a known root (added since it was
         # indexed, or called directly), or a new root.
-        for ref, prefix in self.roots:
+        for ref, prefix, _ in self.roots:
             root = ref()
             if root is not None and any(m is module for m in root.modules()):
                 self._index(root, prefix)
                 return
         target = _unwrap_compiled(module)
         cls = type(target).__name__
-        prefix = ""
-        if self.roots:
-            used = {p for _, p in self.roots}
-            prefix, n = cls, 2
-            while prefix in used:
-                prefix, n = f"{cls}#{n}", n + 1
-        self.roots.append((weakref.ref(target), prefix))
+        # A root of the same class that no longer exists (e.g. `nn.CrossEntropyLoss()(x, y)`
+        # built anew each step) passes its path on, so the path is stable across steps.
+        for i, (ref, old_prefix, old_cls) in enumerate(self.roots):
+            if ref() is None and old_cls == cls:
+                prefix = old_prefix
+                del self.roots[i]
+                break
+        else:
+            prefix = ""
+            if self.roots:
+                used = {p for _, p, _ in self.roots}
+                prefix, n = cls, 2
+                while prefix in used:
+                    prefix, n = f"{cls}#{n}", n + 1
+        self.roots.append((weakref.ref(target), prefix, cls))
         if self.cfg.on_root_module is not None:
             try:
                 self.cfg.on_root_module(target)
@@ -666,7 +680,8 @@ class _Session:
 
     def _index(self, root: nn.Module, prefix: str) -> None:
         for name, m in root.named_modules():
-            if m in self.info:
+            known = self.info.get(m)
+            if known is not None and known.root() is not root:
                 continue  # shared with an earlier root: keep its first path
             path = f"{prefix}.{name}" if prefix and name else (prefix or name)
             info = _ModInfo(path, type(m).__name__, root)
@@ -679,10 +694,11 @@ class _Session:
         if info is not None:
             return info
         parent = self.info.get(st[-1][0]) if st else None
-        if parent is not None and self.reindexed.get(id(parent.root)) != self.e:
+        parent_root = parent.root() if parent is not None else None
+        if parent_root is not None and self.reindexed.get(id(parent_root)) != self.e:
             # New submodule (e.g. added by a patch): re-index its root, at most once a step.
-            root_prefix = next((p for r, p in self.roots if r() is parent.root), "")
-            self._index(parent.root, root_prefix)
+            root_prefix = next((p for r, p, _ in self.roots if r() is parent_root), "")
+            self._index(parent_root, root_prefix)
             info = self.info.get(module)
             if info is not None:
                 return info
@@ -694,7 +710,7 @@ class _Session:
         base = parent.path if parent is not None else ""
         name = f"<unregistered {type(module).__name__}>"
         path = f"{base}.{name}" if base else name
-        info = _ModInfo(path, type(module).__name__, parent.root if parent is not None else module)
+        info = _ModInfo(path, type(module).__name__, parent_root if parent_root is not None else module)
         self.info[module] = info
         self.module_classes.setdefault(path, info.cls)
         return info

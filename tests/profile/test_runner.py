@@ -144,6 +144,7 @@ def test_item_sync_is_attributed_to_its_line_and_second_root_gets_a_prefix(tmp_p
     assert s["would_sync_on_gpu"] is (not torch.cuda.is_available())
     # AdamW's own .item() on its host-side step counter is not the user's sync.
     assert not any("opt.step()" in x["code"] for x in r.syncs)
+    assert r.tokens_per_step == TOKENS  # from the first 2-D integer tensor argument
     # The criterion is a second root: its path is prefixed with its class.
     assert r.module_classes["CrossEntropyLoss"] == "CrossEntropyLoss"
     names = {e["name"] for e in kprof_ranges(r.trace_path)}
@@ -392,6 +393,17 @@ def test_odd_modules_give_well_nested_ranges(tmp_path):
                 continue
             a0, a1, b0, b1 = a["ts"], a["ts"] + a["dur"], b["ts"], b["ts"] + b["dur"]
             assert a1 <= b0 or b1 <= a0 or (a0 <= b0 and b1 <= a1) or (b0 <= a0 and a1 <= b1), (a["name"], b["name"])
+
+
+def test_a_root_rebuilt_every_step_keeps_one_path(tmp_path):
+    calls = []
+    r = run("inline_loss.py", tmp_path=tmp_path, warmup=1, steps=2, on_root_module=lambda m: calls.append(type(m).__name__))
+    assert r.status == "stopped"
+    assert r.module_classes == {"": "Linear", "CrossEntropyLoss": "CrossEntropyLoss"}
+    names = [e["name"] for e in kprof_ranges(r.trace_path)]
+    assert names.count(f"{MODULE_RANGE_PREFIX}CrossEntropyLoss:CrossEntropyLoss") == 2
+    # Each new loss object is a root of its own (kprof apply sees every one), under one path.
+    assert calls[0] == "Linear" and set(calls[1:]) == {"CrossEntropyLoss"} and len(calls) > 2
 
 
 @pytest.mark.slow
