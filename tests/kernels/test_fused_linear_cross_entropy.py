@@ -1,0 +1,372 @@
+"""kprof.kernels.fused_linear_cross_entropy against F.linear + F.cross_entropy (the reference).
+
+The reference runs on inputs upcast to fp32 (fp64 for fp32 inputs) and is cast back. CPU shapes
+are small (the CE kernel runs in Triton's interpreter) and use small `chunk_size`s to cross chunk
+boundaries, including a ragged last chunk; the issue's shapes run under CUDA only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kprof.errors import KprofError
+from kprof.kernels import registry
+from kprof.kernels._common import assert_close
+from kprof.kernels.fused_linear_cross_entropy import (
+    LinearCrossEntropyLoss,
+    chunk_rows,
+    linear_cross_entropy,
+    linear_cross_entropy_reference,
+)
+from kprof.kernels.registry import TensorMeta
+
+HAS_CUDA = torch.cuda.is_available()
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _ref_dtype(dtype):
+    return torch.float64 if dtype == torch.float32 else torch.float32
+
+
+def _inputs(n, h, v, dtype, device, bias=False, ignore_every=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g).to(device=device, dtype=dtype)
+    # ~unit-variance logits, like a trained LM head; x3 so the softmax is not flat
+    weight = (torch.randn(v, h, generator=g) * 3 / h**0.5).to(device=device, dtype=dtype)
+    b = (torch.randn(v, generator=g) * 0.5).to(device=device, dtype=dtype) if bias else None
+    target = torch.randint(0, v, (n,), generator=g).to(device)
+    if ignore_every and n > 1:
+        target[::ignore_every] = -100
+    return hidden, weight, b, target
+
+
+class _RoundTo(torch.autograd.Function):
+    """Round a tensor to `dtype` and back, forward and backward (straight through otherwise)."""
+
+    @staticmethod
+    def forward(ctx, x, dtype):
+        ctx.dtype = dtype
+        return x.to(dtype).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to(ctx.dtype).to(g.dtype), None
+
+
+def _reference_at(dtype):
+    """The reference on upcast inputs, keeping the two roundings that define the op (and HF's
+    eager LM head): the logits are produced in the input dtype, and so is their gradient. Without
+    them a bf16 logit of 8 is off by up to 2^-8 * 8 = 3% in the softmax against an fp32 reference,
+    which is the op's definition, not a kernel error."""
+
+    def ref(hidden, weight, target, bias=None, **kw):
+        kw.pop("chunk_size", None)
+        kw.pop("accum_dtype", None)
+        v = weight.shape[0]
+        logits = _RoundTo.apply(F.linear(hidden, weight, bias), dtype)
+        from kprof.kernels.cross_entropy import cross_entropy_reference
+
+        loss = cross_entropy_reference(logits.reshape(-1, v), target.reshape(-1), **kw)
+        return loss.view(target.shape) if kw.get("reduction") == "none" else loss
+
+    return ref
+
+
+def _run(fn, hidden, weight, bias, target, grad_out=None, **kw):
+    leaves = [hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()]
+    if bias is not None:
+        leaves.append(bias.detach().clone().requires_grad_())
+    loss = fn(leaves[0], leaves[1], target, leaves[2] if bias is not None else None, **kw)
+    go = torch.ones_like(loss) if grad_out is None else grad_out.to(loss.dtype)
+    grads = torch.autograd.grad(loss, leaves, go)
+    return loss.detach(), grads
+
+
+def _check(hidden, weight, bias, target, grad_out=None, equal_nan=False, **kw):
+    dtype = hidden.dtype
+    loss, grads = _run(linear_cross_entropy, hidden, weight, bias, target, grad_out, **kw)
+    r = _ref_dtype(dtype)
+    loss_r, grads_r = _run(
+        _reference_at(dtype), hidden.to(r), weight.to(r), None if bias is None else bias.to(r),
+        target, grad_out, **kw,
+    )
+    assert loss.dtype == dtype and loss.shape == loss_r.shape
+    if equal_nan:
+        torch.testing.assert_close(loss, loss_r.to(dtype), equal_nan=True)
+    else:
+        assert_close(loss, loss_r.to(dtype), msg="loss")
+    for name, g, gr in zip(("grad_hidden", "grad_weight", "grad_bias"), grads, grads_r):
+        assert g.dtype == dtype
+        assert_close(g, gr.to(dtype), msg=name)
+    return loss, grads
+
+
+CPU_SHAPES = [(1, 8, 3), (37, 16, 781), (64, 32, 3000), (8, 16, 20000)]
+GPU_SHAPES = [(1823, 256, 781), (2048, 4096, 32000), (1024, 4096, 128256), (512, 2048, 256000), (3000, 512, 50257)]
+SHAPES = CPU_SHAPES + ([pytest.param(s, marks=pytest.mark.gpu) for s in GPU_SHAPES] if HAS_CUDA else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_reference_shapes(shape, dtype, device):
+    n = shape[0]
+    # CPU: chunks of 16 rows (several chunks, ragged last one); GPU: the default chunking.
+    _check(*_inputs(*shape, dtype, device), chunk_size=16 if device == "cpu" and n > 16 else None)
+
+
+OPTIONS = {
+    "plain": {},
+    "smoothing": {"label_smoothing": 0.1},
+    "z_loss": {"z_loss": 1e-3},
+    "softcap": {"softcap": 5.0},
+    "all": {"label_smoothing": 0.2, "z_loss": 1e-2, "softcap": 3.0},
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("opt", list(OPTIONS), ids=str)
+def test_matches_reference_options(opt, reduction, dtype, device):
+    inputs = _inputs(24, 16, 300, dtype, device, bias=True, seed=1)
+    grad_out = None
+    if reduction == "none":
+        grad_out = torch.rand(24, generator=torch.Generator().manual_seed(2)).to(device) + 0.5
+    _check(*inputs, grad_out, reduction=reduction, chunk_size=10, **OPTIONS[opt])
+
+
+@pytest.mark.parametrize("grad_out", [1.0, 0.125, 3.0])
+def test_scalar_grad_output(grad_out, device):
+    _check(*_inputs(20, 8, 50, torch.float32, device, bias=True), torch.tensor(grad_out, device=device), chunk_size=7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_leading_dims_and_non_contiguous(dtype, device):
+    hidden, weight, _, target = _inputs(24, 16, 100, dtype, device)
+    h3 = hidden.view(2, 12, 16)
+    t2 = target.view(2, 12)
+    for red in ("mean", "none"):
+        _check(h3, weight, None, t2, reduction=red, chunk_size=5)
+    # hidden as a strided slice (HF's shifted hidden[:, :-1]) and a transposed weight view
+    hb, wb, _, tb = _inputs(26, 16, 100, dtype, device)
+    h_shift = hb.view(2, 13, 16)[:, :-1]
+    assert not h_shift.is_contiguous()
+    w_t = wb.t().contiguous().t()
+    assert not w_t.is_contiguous()
+    _check(h_shift, w_t, None, tb.view(2, 13)[:, 1:], chunk_size=5)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_empty(reduction, device):
+    hidden, weight, _, _ = _inputs(1, 8, 10, torch.float32, device)
+    _check(hidden[:0], weight, None, torch.empty(0, dtype=torch.long, device=device), equal_nan=True, reduction=reduction)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_all_ignored(reduction, device):
+    hidden, weight, bias, _ = _inputs(6, 8, 10, torch.bfloat16, device, bias=True)
+    target = torch.full((6,), -100, device=device)
+    loss, grads = _check(hidden, weight, bias, target, equal_nan=True, reduction=reduction)
+    assert torch.isnan(loss) if reduction == "mean" else loss == 0
+    assert all(torch.count_nonzero(g) == 0 for g in grads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_one_token(dtype, device):
+    _check(*_inputs(1, 16, 3000, dtype, device, bias=True, ignore_every=0))
+
+
+def test_extreme_hidden(device):
+    # logits of +-1e4: a large hidden against a large weight
+    hidden, weight, _, target = _inputs(8, 16, 300, torch.float32, device)
+    _check(hidden * 300, weight * 10, None, target, chunk_size=3)
+
+
+def test_frozen_weight_and_no_grad(device):
+    hidden, weight, _, target = _inputs(20, 8, 50, torch.float32, device)
+    h = hidden.clone().requires_grad_()
+    loss = linear_cross_entropy(h, weight, target, chunk_size=6)  # weight does not require grad
+    loss.backward()
+    h_r = hidden.double().requires_grad_()
+    linear_cross_entropy_reference(h_r, weight.double(), target).backward()
+    assert_close(h.grad, h_r.grad.float())
+    with torch.no_grad():
+        l_eval = linear_cross_entropy(hidden, weight, target, chunk_size=6)
+    assert_close(l_eval, loss.detach())
+
+
+def test_tied_embedding(device):
+    # The lm_head weight is the input embedding: autograd adds the embedding's grad and ours.
+    torch.manual_seed(0)
+    v, h = 64, 16
+    ids = torch.randint(0, v, (3, 9), device=device)
+    target = torch.randint(0, v, (3, 9), device=device)
+    grads = []
+    for fn in (linear_cross_entropy, linear_cross_entropy_reference):
+        emb = torch.nn.Embedding(v, h).to(device)
+        torch.nn.init.normal_(emb.weight, generator=torch.Generator(device=device).manual_seed(1))
+        hidden = torch.tanh(emb(ids))
+        loss = fn(hidden, emb.weight, target) if fn is linear_cross_entropy_reference else fn(hidden, emb.weight, target, chunk_size=4)
+        loss.backward()
+        grads.append(emb.weight.grad)
+    assert_close(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("acc", [None, torch.float32], ids=["weight-dtype", "fp32"])
+def test_accum_dtype(acc, device):
+    _check(*_inputs(40, 16, 200, torch.bfloat16, device, bias=True), chunk_size=8, accum_dtype=acc)
+
+
+def test_fp32_accumulation_not_less_accurate(device):
+    # 16 chunks of 8 rows: grad_weight accumulated in bf16 rounds 16 times, in fp32 once.
+    hidden, weight, _, target = _inputs(128, 16, 64, torch.bfloat16, device)
+    _, (_, gw16) = _run(linear_cross_entropy, hidden, weight, None, target, chunk_size=8)
+    _, (_, gw32) = _run(linear_cross_entropy, hidden, weight, None, target, chunk_size=8, accum_dtype=torch.float32)
+    _, (_, gw_ref) = _run(linear_cross_entropy_reference, hidden.double(), weight.double(), None, target)
+    err16 = (gw16.double() - gw_ref).abs().max()
+    err32 = (gw32.double() - gw_ref).abs().max()
+    assert err32 <= err16
+
+
+def test_deterministic(device):
+    inputs = _inputs(40, 16, 300, torch.bfloat16, device, bias=True)
+    a = _run(linear_cross_entropy, *inputs, chunk_size=16, label_smoothing=0.1)
+    b = _run(linear_cross_entropy, *inputs, chunk_size=16, label_smoothing=0.1)
+    assert torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_torch_compile_fullgraph(reduction, device):
+    hidden, weight, bias, target = _inputs(12, 8, 40, torch.float32, device, bias=True)
+
+    def f(h, w, b, t):
+        return (linear_cross_entropy(torch.tanh(h), w, t, b, reduction=reduction, chunk_size=5) * 2.0).sum()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    outs = []
+    for fn in (f, compiled):
+        leaves = [x.clone().requires_grad_() for x in (hidden, weight, bias)]
+        loss = fn(*leaves, target)
+        loss.backward()
+        outs.append([loss.detach()] + [x.grad for x in leaves])
+    for a, b in zip(*outs):
+        assert_close(b, a)
+
+
+def test_module_matches_function(device):
+    hidden, weight, bias, target = _inputs(20, 8, 50, torch.float32, device, bias=True)
+    mod = LinearCrossEntropyLoss(reduction="sum", z_loss=1e-3, chunk_size=6)
+    a = _run(lambda h, w, t, b: mod(h, w, t, b), hidden, weight, bias, target)
+    b = _run(linear_cross_entropy, hidden, weight, bias, target, reduction="sum", z_loss=1e-3, chunk_size=6)
+    assert torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+def test_reference_is_hf_style():
+    hidden, weight, bias, target = _inputs(9, 8, 30, torch.float64, "cpu", bias=True)
+    torch.testing.assert_close(
+        linear_cross_entropy_reference(hidden, weight, target, bias),
+        F.cross_entropy(F.linear(hidden, weight, bias), target),
+    )
+
+
+def test_chunk_rows():
+    cpu = torch.device("cpu")
+    assert chunk_rows(8192, 128256, torch.bfloat16, torch.bfloat16, cpu) == 512
+    assert chunk_rows(8192, 128256, torch.bfloat16, torch.float32, cpu) == 1024
+    assert chunk_rows(100, 128256, torch.bfloat16, torch.bfloat16, cpu) == 100
+    assert chunk_rows(0, 10, torch.float32, torch.float32, cpu) == 1
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    n=st.integers(1, 20),
+    h=st.integers(1, 24),
+    v=st.integers(1, 300),
+    chunk=st.integers(1, 25),
+    dtype=st.sampled_from(DTYPES),
+    bias=st.booleans(),
+    label_smoothing=st.sampled_from([0.0, 0.1]),
+    softcap=st.sampled_from([None, 4.0]),
+    reduction=st.sampled_from(["mean", "sum", "none"]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_random(n, h, v, chunk, dtype, bias, label_smoothing, softcap, reduction, seed):
+    device = "cuda" if HAS_CUDA else "cpu"
+    _check(*_inputs(n, h, v, dtype, device, bias=bias, ignore_every=3, seed=seed), equal_nan=True,
+           chunk_size=chunk, label_smoothing=label_smoothing, softcap=softcap, reduction=reduction)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"weight": torch.randn(10, 7)}, "weight \\[V, H\\]"),
+        ({"target": torch.zeros(5, dtype=torch.long)}, "leading shape"),
+        ({"hidden": torch.randn(6, 8).double(), "weight": torch.randn(10, 8).double()}, "one dtype"),
+        ({"weight": torch.randn(10, 8).half()}, "one dtype"),
+        ({"target": torch.zeros(6)}, "integer class indices"),
+        ({"bias": torch.randn(9)}, "bias must be"),
+        ({"chunk_size": 0}, "chunk_size"),
+        ({"accum_dtype": torch.float16}, "accum_dtype"),
+        ({"reduction": "avg"}, "reduction must be"),
+        ({"target": torch.tensor([0, 1, 2, 10, 3, 4])}, "targets must be in \\[0, 10\\)"),
+    ],
+)
+def test_errors(kw, match):
+    args = {"hidden": torch.randn(6, 8), "weight": torch.randn(10, 8), "target": torch.zeros(6, dtype=torch.long)}
+    args.update(kw)
+    with pytest.raises(KprofError, match=match):
+        linear_cross_entropy(args.pop("hidden"), args.pop("weight"), args.pop("target"), **args)
+
+
+def test_registry_spec_and_costs():
+    spec = registry.get("fused_linear_cross_entropy")
+    assert spec.fn is linear_cross_entropy and spec.reference is linear_cross_entropy_reference
+    n, h, v = 8192, 4096, 128256
+    c = spec.cost(n_rows=n, hidden=h, vocab=v, dtype=torch.bfloat16)
+    assert c["fwd"].flops >= 3 * 2 * n * h * v
+    assert c["fwd"].bytes == 2 * (n * h + v * h) * 2 + n * 8 + n * 4
+    metas = [TensorMeta((2, 4096, h), torch.bfloat16), TensorMeta((v, h), torch.bfloat16)]
+    assert registry.op_cost("kprof::linear_cross_entropy_fwd", metas) == c["fwd"]
+
+
+# ----- GPU only -----
+
+
+@pytest.mark.gpu
+def test_gpu_issue_shape_memory_and_accuracy(device):
+    # hidden 8192x4096, weight 128256x4096 bf16. Extra memory beyond the grads we return
+    # (grad_hidden, grad_weight) must be about one [chunk, V] buffer; never [N, V].
+    n, h, v = 8192, 4096, 128256
+    hidden, weight, _, target = _inputs(n, h, v, torch.bfloat16, device)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss = linear_cross_entropy(hidden, weight, target)
+    loss.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    outputs = (n * h + v * h) * 2
+    chunk = chunk_rows(n, v, torch.bfloat16, torch.bfloat16, hidden.device) * v * 2
+    assert extra < outputs + 1.5 * chunk, f"extra {extra / 1e9:.2f} GB, outputs {outputs / 1e9:.2f} GB"
+    # Accuracy on a slice against the fp32 reference (the full fp32 logits would be 4.2 GB).
+    m = 1024
+    h_r = hidden.detach()[:m].float().requires_grad_()
+    w_r = weight.detach().float().requires_grad_()
+    _reference_at(torch.bfloat16)(h_r, w_r, target[:m]).backward()
+    h_k = hidden.detach()[:m].clone().requires_grad_()
+    w_k = weight.detach().clone().requires_grad_()
+    loss_k = linear_cross_entropy(h_k, w_k, target[:m])
+    loss_k.backward()
+    assert_close(h_k.grad, h_r.grad.to(torch.bfloat16))
+    assert_close(w_k.grad, w_r.grad.to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_accumulation_path(device):
+    # accum_dtype=float32 uses aten's out_dtype matmuls (CUDA only).
+    _check(*_inputs(2048, 512, 32000, torch.bfloat16, device, bias=True), chunk_size=256, accum_dtype=torch.float32)
