@@ -159,6 +159,8 @@ def build_summary(raw, a: dict | None) -> dict[str, Any]:
         "tf32_assumed": False,
         "step_definition": raw.step_definition,
         "warmup": raw.warmup,
+        "steps_before_timing": raw.steps_before_timing,  # > warmup when auto step mode decided late
+        "profiler_warmup_steps": raw.profiler_warmup_steps,
         "steps": raw.steps,
         "steps_recorded": raw.steps_recorded,
         "step_times_ms": list(raw.step_times_ms),

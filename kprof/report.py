@@ -130,9 +130,11 @@ def header(summary: dict, run_path: Path | None) -> Panel:
                     + f", latency {fmt_float(ceil.get('latency_us'), 1)} us  ")
         style = {"measured": "green", "datasheet": "", "default": "yellow", "unknown": "red"}.get(ceil.get("kind"), "")
         g.add_row("ceilings", line + Text(f"({ceil.get('source', '?')})", style=style or "dim"))
+    before = summary.get("steps_before_timing", summary.get("warmup", "?"))
     g.add_row("step", f"{summary.get('step_definition', '?')}: {summary.get('steps_recorded', 0)} recorded of "
-              f"{summary.get('steps', '?')} requested, after {summary.get('warmup', '?')} warmup + "
-              f"{len(summary.get('step_times_ms') or [])} timed")
+              f"{summary.get('steps', '?')} requested, after {before} warmup + "
+              f"{len(summary.get('step_times_ms') or [])} timed + "
+              f"{summary.get('profiler_warmup_steps', 1)} profiler warm-up")
     if st:
         line = (f"{fmt_ms(st.get('median'))} ms median ± {fmt_ms(st.get('spread'))} "
                 f"[dim]({st.get('spread_definition', 'spread')}, n={st.get('n', '?')}, unprofiled)[/dim]")
