@@ -208,6 +208,29 @@ def test_inference_loop_is_stepped_by_the_outermost_forward(tmp_path):
     assert counts[f"{MODULE_RANGE_PREFIX}:TinyLM"] == 2 and counts[f"{MODULE_RANGE_PREFIX}mlp.down:Linear"] == 2
 
 
+@pytest.mark.parametrize("optimizer_first", [False, True])
+def test_evaluation_before_training_ends_up_in_optimizer_steps(tmp_path, optimizer_first):
+    modes = []
+    r = run_script(
+        str(SCRIPTS / "eval_then_train.py"),
+        ["--optimizer-first"] if optimizer_first else [],
+        RunConfig(warmup=1, steps=2, trace_dir=str(tmp_path)),
+        progress=lambda event, **info: modes.append(info["step_definition"]) if event == "mode" else None,
+    )
+    assert r.status == "stopped" and r.step_definition == "optimizer.step (AdamW)"
+    if optimizer_first:
+        # An optimizer exists: 20 forwards are far below the wait for its first step.
+        assert modes == ["optimizer.step (AdamW)"] and not r.warnings
+    else:
+        # No optimizer yet: after 16 forwards kprof guesses forward steps and starts measuring;
+        # the first optimizer step overturns the guess and the measurement starts over.
+        assert modes == ["outermost forward (TinyLM)", "optimizer.step (AdamW)"]
+        assert any("switched from forward steps to optimizer steps" in w for w in r.warnings)
+    assert r.steps_recorded == 2 and len(r.step_times_ms) == 2
+    steps = sorted(e["name"] for e in kprof_ranges(r.trace_path) if e["name"].startswith(STEP_RANGE_PREFIX))
+    assert steps == [f"{STEP_RANGE_PREFIX}0", f"{STEP_RANGE_PREFIX}1"]  # only the optimizer-step profile
+
+
 def test_inference_with_optimizer_mode_records_nothing(tmp_path):
     r = run("inference.py", "--iters", "10", tmp_path=tmp_path, step_mode="optimizer")
     assert r.status == "completed" and r.steps_recorded == 0 and r.trace_path is None
