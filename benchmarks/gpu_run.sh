@@ -18,15 +18,15 @@ if has env; then
 fi
 if has tests; then
   # Correctness in parallel processes (timings are not taken here).
-  timeout 330 python3 -m pytest -q -n 8 -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -40
+  timeout ${TEST_TIMEOUT:-280} python3 -m pytest -q -n 8 -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -40
 fi
 if has bench; then
-  timeout 420 python3 benchmarks/bench_kernels.py --csv "$OUT/kernels.csv" 2>&1 | tee "$OUT/bench.log" | tail -60
+  timeout ${BENCH_TIMEOUT:-540} python3 benchmarks/bench_kernels.py --csv "$OUT/kernels.csv" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
 if has calibrate; then
-  timeout 120 kprof calibrate 2>&1 | tee "$OUT/calibrate.log" | tail -20
+  timeout 90 kprof calibrate 2>&1 | tee "$OUT/calibrate.log" | tail -20
 fi
 if has profile; then
-  timeout 300 kprof profile examples/llama_train.py --out "$OUT/runs" -- --preset 1b --device cuda 2>&1 | tee "$OUT/profile_llama.log" | tail -80
+  timeout ${PROFILE_TIMEOUT:-200} kprof profile examples/llama_train.py --out "$OUT/runs" -- --preset 1b --device cuda 2>&1 | tee "$OUT/profile_llama.log" | tail -80
 fi
 ls -la "$OUT"
