@@ -29,4 +29,6 @@ fi
 if has profile; then
   timeout ${PROFILE_TIMEOUT:-200} kprof profile examples/llama_train.py --out "$OUT/runs" -- --preset 1b --device cuda 2>&1 | tee "$OUT/profile_llama.log" | tail -80
 fi
+# At most 8 files come back: pack run dirs and the calibration cache (traces left out: too big).
+( cd "$OUT" && tar czf artifacts.tgz --exclude='trace.json.gz' runs cache install.log 2>/dev/null; rm -rf runs cache install.log )
 ls -la "$OUT"
