@@ -26,7 +26,8 @@ def _f(v, fmt: str = "{:.2f}") -> str:
     return fmt.format(v)
 
 
-def render_plan(plan: pd.DataFrame, run_name: str, plan_path: Path, out: Console = console) -> None:
+def render_plan(plan: pd.DataFrame, run_name: str, plan_path: Path, out: Console | None = None) -> None:
+    out = out or console
     if not len(plan):
         out.print(f"kprof suggest: no pattern kprof can fix was found in run {run_name}.")
         return
@@ -64,7 +65,8 @@ def suggest_cmd(
         render_plan(plan, r.name, Path(r.path) / PLAN)
 
 
-def render_apply(res, out: Console = console) -> None:
+def render_apply(res, out: Console | None = None) -> None:
+    out = out or console
     for rep in res.reports:
         t = Table(title="patches (verified on their first call against the original code)")
         for c in ("rule", "where", "status", "verification", "source"):

@@ -1,0 +1,169 @@
+"""kprof suggest: pure functions on synthetic op tables, then real profiles of the repo's GPT
+example and the tiny HF Llama example (CPU, a few seconds each)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from kprof.kernels.registry import Cost
+from kprof.rules import RULES, ProfilePattern
+from kprof.suggest import (PLAN, evidence_ops, group_paths, load_plan, match_pattern, module_table, roofline_us,
+                           save_plan, suggest)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _op(module, cls, op, phase="fwd", t=10.0, shapes=None, dtypes=None, op_id=None, parent=-1, step=0):
+    return {"step": step, "module": module, "module_class": cls, "phase": phase, "op": op,
+            "input_shapes": shapes or [[4, 8]], "input_dtypes": dtypes or ["float"], "device_time (us)": t,
+            "op_id": op_id, "parent_id": parent, "class": "memory-bound", "attainable (us)": t / 2}
+
+
+def _table():
+    rows = [
+        _op("blk.0.norm", "MyNorm", "aten::pow", op_id=1), _op("blk.0.norm", "MyNorm", "aten::mean", op_id=2),
+        _op("blk.0.norm", "MyNorm", "aten::rsqrt", op_id=3), _op("blk.0.norm", "MyNorm", "aten::mul", op_id=4),
+        _op("blk.0.norm", "MyNorm", "aten::mul", phase="bwd", op_id=5),
+        _op("blk.1.norm", "MyNorm", "aten::rsqrt", op_id=6), _op("blk.1.norm", "MyNorm", "aten::mean", op_id=7),
+        _op("blk.0.ln", "LayerNorm", "aten::layer_norm", op_id=8),
+        _op("blk.0.ln", "LayerNorm", "aten::native_layer_norm", op_id=9, parent=8),
+        # a gated MLP: three Linears, a SiLU child, the multiply in the parent
+        _op("blk.0.mlp.g", "Linear", "aten::mm", op_id=10), _op("blk.0.mlp.u", "Linear", "aten::mm", op_id=11),
+        _op("blk.0.mlp.d", "Linear", "aten::mm", op_id=12), _op("blk.0.mlp.act", "SiLU", "aten::silu", op_id=13),
+        _op("blk.0.mlp", "MLP", "aten::mul", op_id=14, t=30.0),
+        _op("blk.0.mlp.act", "SiLU", "aten::silu_backward", phase="bwd", op_id=15),
+        # nested op: its child (a copy) belongs to the matmul
+        _op("blk.0.attn", "Attn", "aten::matmul", op_id=20), _op("blk.0.attn", "Attn", "aten::copy_", op_id=21, parent=20),
+        _op("blk.0.attn", "Attn", "aten::_softmax", op_id=22), _op("blk.0.attn", "Attn", "aten::add", op_id=23),
+        _op("<optimizer>", "", "aten::add_", phase="optim", op_id=30),
+    ]
+    return pd.DataFrame(rows)
+
+
+def test_patterns_match_by_ops():
+    ops = _table()
+    t = module_table(ops, {"": "Model", "blk": "ModuleList", "blk.0": "Block", "blk.0.mlp": "MLP"})
+    by = {r.id: match_pattern(r.profile, t) for r in RULES}
+    assert by["rms_norm"] == ["blk.0.norm", "blk.1.norm"]
+    assert by["layer_norm"] == ["blk.0.ln"]
+    assert by["gated_mlp"] == ["blk.0.mlp"]
+    assert by["attention_sdpa"] == ["blk.0.attn"]
+    assert by["linear_gelu"] == []
+
+
+def test_evidence_takes_selected_ops_with_their_nested_children():
+    ops = _table()
+    t = module_table(ops, {})
+    att = next(r for r in RULES if r.id == "attention_sdpa")
+    ev = evidence_ops(att.profile, ops, t, "blk.0.attn")
+    assert sorted(ev["op"]) == ["aten::_softmax", "aten::copy_", "aten::matmul"]  # add is not attention's
+    mlp = next(r for r in RULES if r.id == "gated_mlp")
+    ev = evidence_ops(mlp.profile, ops, t, "blk.0.mlp")
+    assert sorted(ev["op"]) == ["aten::mul", "aten::silu", "aten::silu_backward"]  # not the matmuls
+
+
+def test_group_paths():
+    assert group_paths(["model.layers.0.mlp", "model.layers.1.mlp", "model.norm", "0", "1"]) == [
+        ("*", 2), ("model.layers.*.mlp", 2), ("model.norm", 1)]
+
+
+def test_roofline_us_is_max_of_compute_and_memory_with_a_latency_floor():
+    ceil = {"mem_bw_gbs": 1000.0, "peak_tflops": {"fp32": 10.0, "bf16": 100.0}, "latency_us": 2.0}
+    assert roofline_us(Cost(flops=0, bytes=1e6), ceil, "fp32") == pytest.approx(2.0)  # 1 µs of traffic -> 2 µs floor
+    assert roofline_us(Cost(flops=0, bytes=1e8), ceil, "fp32") == pytest.approx(100.0)
+    assert roofline_us(Cost(flops=1e12, bytes=0), ceil, "bf16") == pytest.approx(1e4)
+    assert roofline_us(Cost(flops=1e12, bytes=0), ceil, "tf32") == pytest.approx(1e5)  # falls back to fp32
+
+
+# ------------------------------------------------------------------------------------------
+# Real profiles
+
+
+def _profile(tmp_path_factory, script, argv):
+    from kprof.profile import profile_script
+
+    root = tmp_path_factory.mktemp("runs")
+    return profile_script(str(ROOT / "examples" / script), argv, warmup=1, steps=2, out_root=root)
+
+
+@pytest.fixture(scope="module")
+def gpt_run(tmp_path_factory):
+    return _profile(tmp_path_factory, "gpt_train.py", ["--n-embd", "64", "--n-layer", "2", "--seq-len", "16",
+                                                       "--batch-size", "2"])
+
+
+@pytest.fixture(scope="module")
+def llama_run(tmp_path_factory):
+    return _profile(tmp_path_factory, "llama_train.py", ["--batch-size", "1", "--seq-len", "8"])
+
+
+def _where(plan):
+    return {r["id"]: sorted(r["paths"]) for r in plan.to_dict("records")}
+
+
+def test_suggest_on_repo_gpt(gpt_run):
+    plan = suggest(gpt_run)
+    w = _where(plan)
+    assert w == {
+        "attention_sdpa": ["transformer.h.0.attn", "transformer.h.1.attn"],
+        "layer_norm": ["transformer.h.0.ln_1", "transformer.h.0.ln_2", "transformer.h.1.ln_1",
+                       "transformer.h.1.ln_2", "transformer.ln_f"],
+        "linear_gelu": ["transformer.h.0.mlp", "transformer.h.1.mlp"],
+        "linear_cross_entropy": [""],
+    }
+    row = plan.set_index("id").loc["attention_sdpa"]
+    assert row["where"] == "transformer.h.*.attn x 2" and row["module_class"] == "CausalSelfAttention"
+    # ranking: known savings, descending
+    s = plan["saving ms/step"].tolist()
+    assert all(a >= b for a, b in zip(s, s[1:]))
+    for r in plan.to_dict("records"):
+        assert r["ms/step"] > 0 and 0 < r["% of step"] < 100
+        assert math.isfinite(r["predicted ms/step"]) and r["saving ms/step"] <= r["ms/step"]
+        assert r["applyable"] and r["how"] == f"kprof apply --patch {r['id']}"
+
+
+def test_suggest_on_hf_llama(llama_run):
+    w = _where(suggest(llama_run))
+    assert w == {
+        "rms_norm": ["model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
+                     "model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm", "model.norm"],
+        "gated_mlp": ["model.layers.0.mlp", "model.layers.1.mlp"],
+        "rope": ["model.layers.0.self_attn", "model.layers.1.self_attn"],
+        "linear_cross_entropy": [""],
+    }
+
+
+def test_plan_saved_and_cli_json(gpt_run, monkeypatch):
+    from rich.console import Console
+
+    from kprof import cli_patch
+    from kprof.cli_patch import register
+
+    monkeypatch.setattr(cli_patch, "console", Console(width=250))
+
+    app = typer.Typer()
+    register(app)
+    res = CliRunner().invoke(app, ["suggest", str(gpt_run.path), "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    assert {s["id"] for s in doc["suggestions"]} == {"attention_sdpa", "layer_norm", "linear_gelu", "linear_cross_entropy"}
+    saved = load_plan(gpt_run)
+    assert saved["script"].endswith("gpt_train.py") and saved["suggestions"] == doc["suggestions"]
+    assert (Path(gpt_run.path) / PLAN).exists()
+    res = CliRunner().invoke(app, ["suggest", str(gpt_run.path)])
+    assert res.exit_code == 0 and "attention_sdpa" in res.output and "transformer.h.*.attn x 2" in res.output
+
+
+def test_custom_rules_dir_in_suggest(gpt_run):
+    from kprof.rules import all_rules
+
+    plan = suggest(gpt_run, all_rules(str(ROOT / "examples" / "custom_rules")))
+    assert "packed_swiglu" not in set(plan["id"])  # no packed MLP in this model: nothing invented
+    save_plan(gpt_run, plan)
