@@ -12,8 +12,8 @@ from typing import Annotated, Iterator, Optional
 
 import typer
 from rich.console import Console
-from rich.text import Text
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 import kprof
 from kprof import store
@@ -45,6 +45,7 @@ def _root(
 
 # --------------------------------------------------------------------------------------------
 # kprof profile
+
 
 class StepMode(str, Enum):
     auto = "auto"

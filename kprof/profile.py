@@ -16,7 +16,6 @@ import os
 import platform
 import tempfile
 import traceback
-from pathlib import Path
 from typing import Any, Callable
 
 import pandas as pd

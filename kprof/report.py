@@ -43,15 +43,6 @@ def fmt_pct(v: Any, digits: int = 1) -> str:
     return "–" if f is None else f"{f:.{digits}f}%"
 
 
-def fmt_float(v: Any, digits: int = 2) -> str:
-    f = _num(v)
-    if f is None:
-        return "–"
-    if f != 0 and abs(f) < 10 ** -digits:
-        return f"{f:.1e}"
-    return f"{f:,.{digits}f}"
-
-
 def fmt_sig(v: Any) -> str:
     """Rates and intensities spanning many decades (CPU vs H200): ~3 significant digits."""
     f = _num(v)
@@ -125,9 +116,9 @@ def header(summary: dict, run_path: Path | None) -> Panel:
         dev_line += f"  (CPU, {dev.get('cpu_count', '?')} cores)"
     g.add_row("device", dev_line)
     if ceil:
-        line = Text(f"{fmt_float(ceil.get('mem_bw_gbs'), 0)} GB/s, "
-                    + ", ".join(f"{k} {fmt_float(v, 1)} TFLOP/s" for k, v in _peaks(ceil))
-                    + f", latency {fmt_float(ceil.get('latency_us'), 1)} us  ")
+        line = Text(f"{fmt_sig(ceil.get('mem_bw_gbs'))} GB/s, "
+                    + ", ".join(f"{k} {fmt_sig(v)} TFLOP/s" for k, v in _peaks(ceil))
+                    + f", latency {fmt_sig(ceil.get('latency_us'))} us  ")
         style = {"measured": "green", "datasheet": "", "default": "yellow", "unknown": "red"}.get(ceil.get("kind"), "")
         g.add_row("ceilings", line + Text(f"({ceil.get('source', '?')})", style=style or "dim"))
     before = summary.get("steps_before_timing", summary.get("warmup", "?"))

@@ -101,7 +101,7 @@ def test_profile_passes_arguments_and_renders(capsys, monkeypatch, tmp_path):
 
     # header
     assert "NVIDIA H200  (sm_90, 132 SMs, 150.00 GiB)" in out and "datasheet: NVIDIA H200 datasheet" in out
-    assert "4,800 GB/s, fp32 67.0 TFLOP/s, bf16 989.0 TFLOP/s, latency 4.0 us" in out
+    assert "4,800 GB/s, fp32 67 TFLOP/s, bf16 989 TFLOP/s, latency 4 us" in out
     assert "optimizer.step (AdamW)" in out
     assert re.search(r"10\.0 ms median ± 0\.25", out) and "p10-p90" in out
     assert "GPU busy 91.5%" in out and "3.00 GiB peak" in out and "+20% vs unprofiled" in out
