@@ -60,7 +60,8 @@ def profile_script(
         raw = run_script(script, list(argv or []), cfg, progress=progress)
 
         if not raw.steps_recorded or not raw.trace_path:
-            raise KprofError(_nothing_recorded(raw), exit_code=raw.exit_code or 1)
+            code = 130 if raw.status == "interrupted" else (raw.exit_code or 1)  # 130: 128 + SIGINT
+            raise KprofError(_nothing_recorded(raw), exit_code=code)
 
         notify("analysis")
         try:
