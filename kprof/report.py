@@ -102,12 +102,13 @@ def header(summary: dict, run_path: Path | None) -> Panel:
     status = summary.get("status", "?")
     style = {"completed": "green", "stopped": "green", "error": "red", "interrupted": "yellow"}.get(status, "white")
 
+    short = summary.get("steps_recorded", 0) < (summary.get("steps") or 0)  # fewer steps than asked for
     g = Table.grid(padding=(0, 2))
     g.add_column(style="bold")
     g.add_column()
     g.add_row("script", Text(" ".join([_short_path(summary.get("script", "?")), *summary.get("argv", [])])))
     g.add_row("status", Text(f"{status}" + (f" (exit code {summary.get('exit_code')})" if status == "error" else ""), style=style)
-              + Text(f"  {summary.get('status_note') or ''}", style="dim"))
+              + Text(f"  {summary.get('status_note') or ''}", style="yellow" if short else "dim"))
     dev_line = f"{dev.get('name', '?')}"
     if dev.get("type") == "cuda":
         cap = str(dev.get("capability") or "?").replace(".", "")  # "9.0" -> sm_90
