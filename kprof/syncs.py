@@ -252,7 +252,10 @@ class SyncDetector(TorchFunctionMode):
         if torch.compiler.is_compiling():
             return func(*args, **kwargs)
         if self.step is not None:
-            check = _CHECKS.get(func)
+            try:
+                check = _CHECKS.get(func)
+            except TypeError:  # an unhashable callable: not one of ours
+                check = None
             if check is not None:
                 try:
                     hit = check(args, kwargs)
