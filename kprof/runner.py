@@ -271,7 +271,7 @@ class _ModInfo:
         self.path = path
         self.cls = cls
         self.range_name = f"{MODULE_RANGE_PREFIX}{path}:{cls}"
-        self.nvtx_name = f"{path} ({cls})"
+        self.nvtx_name = f"{path} ({cls})" if path else f"({cls})"
         # Weak: infos live in a WeakKeyDictionary keyed by module; a strong reference to the
         # root would keep every module (and a model the script dropped) alive.
         self.root = weakref.ref(root)

@@ -511,3 +511,23 @@ def test_gpu_grad_scaler_step_is_a_real_sync_at_the_users_line(tmp_path):
     r = run("train_amp.py", tmp_path=tmp_path, warmup=1, steps=2)
     sites = [s for s in r.syncs if s["line"] == line_of("train_amp.py", "kprof-test: scaler-step")]
     assert sites and all(s["real"] for s in sites) and sites[0]["count"] >= 2, r.syncs
+
+
+# --------------------------------------------------------------------------- kprof.nvtx
+def test_nvtx_falls_back_when_the_package_is_missing(monkeypatch):
+    import importlib
+
+    import kprof.nvtx as knvtx
+
+    monkeypatch.setitem(sys.modules, "nvtx", None)  # `import nvtx` now raises ImportError
+    try:
+        fresh = importlib.reload(knvtx)
+        expected = "torch.cuda.nvtx" if torch.cuda.is_available() else "none"
+        assert fresh.BACKEND == expected
+        with fresh.annotate("kprof test range"):
+            fresh.range_push("inner")
+            fresh.range_pop()
+    finally:
+        monkeypatch.undo()
+        importlib.reload(knvtx)
+    assert knvtx.BACKEND in ("nvtx", "torch.cuda.nvtx", "none")
