@@ -454,9 +454,9 @@ def _lce_cost(n_rows: int, hidden: int, vocab: int, dtype: torch.dtype = torch.b
     # The chunk logits round trip (4 N V bytes: GEMM write, CE read + write, two GEMM reads) is
     # real traffic, but not a minimum: a fused GEMM epilogue would avoid it.
     fwd_bytes = 2 * (nh + vh) * e + n_rows * _itemsize(target_dtype) + 4 * n_rows + (2 * vocab * e if bias else 0)
-    # Backward: scales the stored grads (free when grad_output == 1); listed at the scaling cost.
-    bwd = Cost(flops=nh + vh, bytes=2 * (nh + vh) * e)
-    return {"fwd": Cost(flops=flops, bytes=fwd_bytes), "bwd": bwd}
+    # Backward: minimal cost zero (grad_output == 1 skips the scaling on the device); otherwise it
+    # reads and writes grad_h and grad_W once: 2 * (nh + vh) * e bytes.
+    return {"fwd": Cost(flops=flops, bytes=fwd_bytes), "bwd": Cost(flops=0.0, bytes=0.0)}
 
 
 def _op_cost(metas) -> Cost:

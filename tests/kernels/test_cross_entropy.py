@@ -328,11 +328,13 @@ def test_registry_spec_and_costs():
     nv = 8192 * 128256
     # Read logits once, write the grad once (+ targets and per-row losses).
     assert c["fwd"].bytes == 2 * nv * 2 + 8192 * 8 + 8192 * 4
-    assert c["fwd"].flops > 0 and c["bwd"].bytes == 2 * nv * 2
+    # The backward is free at its minimum (grad_output == 1): the floor is fwd alone, 0.98 ms.
+    assert c["fwd"].flops > 0 and c["bwd"] == (0.0, 0.0)
+    assert abs(c["fwd"].bytes / 4.27e12 * 1e3 - 0.98) < 0.02
     meta = [TensorMeta((8192, 128256), torch.bfloat16), TensorMeta((8192,), torch.int64), TensorMeta((), torch.float32)]
     assert registry.op_cost("kprof::cross_entropy_fwd", meta) == c["fwd"]
     assert registry.op_cost("kprof::cross_entropy_fwd_inplace", meta) == c["fwd"]
-    assert registry.op_cost("kprof::cross_entropy_bwd", meta[:1] + meta[2:]).bytes == 2 * nv * 2
+    assert registry.op_cost("kprof::cross_entropy_bwd", meta[:1] + meta[2:]) == (0.0, 0.0)
 
 
 # ----- GPU only -----

@@ -1,0 +1,144 @@
+"""Benchmark cases: cross-entropy over logits, and fused linear (LM head) + cross-entropy.
+
+Shapes and targets from the issue (H200, bf16):
+- CE, logits 8192 x 128256 (Llama-3 vocabulary, 8K tokens; 2.1 GB): fwd+bwd <= 1.15 ms with no
+  extra memory beyond the gradient. Floor: read logits + write grad = 4.2 GB at 4.27 TB/s =
+  0.98 ms. Issue's peers: torch.compile 2.59 ms, Liger 2.14 ms, eager fp32 13.5 ms / 10 GB extra.
+- Linear + CE, hidden 8192 x 4096, weight 128256 x 4096: <= torch.compile's 36.1 ms with <= Liger's
+  1.06 GB extra memory. Floor: 3 GEMMs x 2 N H V = 25.8 TFLOP at the run's measured bf16 matmul rate.
+- CE with Gemma 2's final-logit softcap (30.0) over its 256000 vocabulary, 4096 tokens: no target
+  in the issue.
+
+The eager peers are what HF models run today: `ForCausalLMLoss` upcasts the logits
+(`logits.float()`) and calls `F.cross_entropy(..., ignore_index=-100)`; Gemma 2 softcaps the bf16
+logits in the model (`logits / cap; tanh; * cap`) before that.
+
+kprof computes the gradient in the forward, so its "fwd" timing (inputs require grad) already
+includes the backward's work, and its backward is free when grad_output == 1, which is what
+`loss.backward()` passes. With any other grad_output the backward scales the stored gradient
+(one more read + write of it: ~1 ms for the CE case). For loss cases the meaningful fwd+bwd
+number is with grad_output = 1.
+
+Liger notes (0.6.x): LigerCrossEntropyLoss writes the gradient into the logits' buffer (in place,
+no opt-out), so after Liger runs the case's `logits` hold gradients; the harness checks and times
+Liger last. LigerFusedLinearCrossEntropyLoss takes (weight, hidden, target).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.cases import Case
+from kprof.kernels import cross_entropy as _ce
+from kprof.kernels import fused_linear_cross_entropy as _lce
+
+_N, _V = 8192, 128256  # tokens x Llama-3 vocabulary
+_H = 4096  # Llama-3-8B hidden size
+_GN, _GV, _CAP = 4096, 256000, 30.0  # Gemma 2: vocabulary 256000, final_logit_softcapping 30.0
+_IGNORED_EVERY = 32  # ~3% of targets are -100 (padding / prompt tokens), so ignore_index is exercised
+
+
+def _targets(n: int, v: int, device: str) -> torch.Tensor:
+    t = torch.randint(0, v, (n,), device=device)
+    t[::_IGNORED_EVERY] = -100
+    return t
+
+
+def _ce_inputs(n: int, v: int):
+    def make(device, dtype):
+        # logits of a trained LM head are O(1-10); x2 randn keeps the softmax away from uniform
+        logits = (torch.randn(n, v, device=device) * 2).to(dtype).requires_grad_()
+        return {"logits": logits, "target": _targets(n, v, device)}
+
+    return make
+
+
+def _softcap_inputs(device, dtype):
+    return {**_ce_inputs(_GN, _GV)(device, dtype), "softcap": _CAP}
+
+
+def _lce_inputs(device, dtype):
+    hidden = torch.randn(_N, _H, device=device).to(dtype).requires_grad_()
+    # ~unit-variance logits: weight std 1/sqrt(H) (a trained head's logits are O(1-10))
+    weight = (torch.randn(_V, _H, device=device) / _H**0.5).to(dtype).requires_grad_()
+    return {"hidden": hidden, "weight": weight, "target": _targets(_N, _V, device)}
+
+
+# --- eager formulations -------------------------------------------------------------------
+
+
+def _eager_ce(logits, target, softcap=None):
+    # transformers' ForCausalLMLoss (after the shift): upcast, then cross-entropy, mean over
+    # non-ignored tokens. Gemma 2 softcaps the bf16 logits in the model first.
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(logits.float(), target, ignore_index=-100)
+
+
+def _eager_lce(hidden, weight, target):
+    # LlamaForCausalLM: logits = self.lm_head(hidden_states), then ForCausalLMLoss
+    logits = F.linear(hidden, weight)
+    return F.cross_entropy(logits.float(), target, ignore_index=-100)
+
+
+def _kprof_ce(logits, target, softcap=None):
+    return _ce.cross_entropy(logits, target, softcap=softcap)
+
+
+# --- Liger ----------------------------------------------------------------------------------
+
+
+def _liger_ce():
+    from liger_kernel.transformers import LigerCrossEntropyLoss
+
+    loss = LigerCrossEntropyLoss(ignore_index=-100)
+    return lambda logits, target: loss(logits, target)
+
+
+def _liger_ce_softcap():
+    from liger_kernel.transformers import LigerCrossEntropyLoss
+
+    loss = LigerCrossEntropyLoss(ignore_index=-100, softcap=_CAP)
+    return lambda logits, target, softcap: loss(logits, target)
+
+
+def _liger_lce():
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    loss = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
+    return lambda hidden, weight, target: loss(weight, hidden, target)
+
+
+CASES: list[Case] = [
+    Case(
+        kernel="cross_entropy",
+        label=f"cross-entropy {_N}x{_V}",
+        make_inputs=_ce_inputs(_N, _V),
+        kprof=_kprof_ce,
+        eager=_eager_ce,
+        liger=_liger_ce,
+        problem={"n_rows": _N, "n_cols": _V, "dtype": torch.bfloat16},
+        targets_us={"fwdbwd": 1150},  # issue; floor 0.98 ms (read logits + write grad)
+    ),
+    Case(
+        kernel="cross_entropy",
+        label=f"cross-entropy + softcap {_CAP:g} (Gemma 2) {_GN}x{_GV}",
+        make_inputs=_softcap_inputs,
+        kprof=_kprof_ce,
+        eager=_eager_ce,
+        liger=_liger_ce_softcap,
+        problem={"n_rows": _GN, "n_cols": _GV, "dtype": torch.bfloat16},
+        targets_us={},  # no target in the issue; floor 4.2 GB -> 0.98 ms, like the Llama case
+    ),
+    Case(
+        kernel="fused_linear_cross_entropy",
+        label=f"linear + cross-entropy {_N}x{_H} @ {_V}x{_H}",
+        make_inputs=_lce_inputs,
+        kprof=_lce.linear_cross_entropy,
+        eager=_eager_lce,
+        liger=_liger_lce,
+        problem={"n_rows": _N, "hidden": _H, "vocab": _V, "dtype": torch.bfloat16},
+        targets_us={"fwdbwd": 36100},  # issue: torch.compile's time; memory target: Liger's 1.06 GB extra
+    ),
+]
