@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-import kprof.patch as kp
+from kprof.patch import patch as kprof_patch
 from kprof.errors import KprofError
 from kprof.rules.engine import kernel_fn
 
@@ -122,7 +122,7 @@ def test_patch_matches_verifies_and_trains_like_eager(name):
     params_before = [id(p) for p in model.parameters()]
     keys_before = list(model.state_dict().keys())
 
-    report = kp.patch(model)
+    report = kprof_patch(model)
     got = {rid: {r.path for r in recs} for rid, recs in report.by_rule().items()}
     assert got == EXPECTED[name], str(report)
 
@@ -152,7 +152,7 @@ def test_patch_matches_verifies_and_trains_like_eager(name):
 
 
 def test_gemma_rms_norm_found_with_offset_one():
-    report = kp.patch(_build("gemma"), rules=["rms_norm"])
+    report = kprof_patch(_build("gemma"), rules=["rms_norm"])
     assert report.records and all(r.params["offset"] == 1.0 and r.params["casting"] == "gemma" for r in report.records)
     report.unpatch()
 
@@ -170,7 +170,7 @@ def test_wrong_kernel_is_caught_and_reverted(monkeypatch):
     model = copy.deepcopy(ref)
     x = torch.randint(0, V, (B, T))
     with pytest.warns(UserWarning, match="failed verification"):
-        report = kp.patch(model, rules=["rms_norm"])
+        report = kprof_patch(model, rules=["rms_norm"])
         out = _loss("llama", model, x)
     assert report.records and all(r.status == "reverted" for r in report.records)
     worst = report.records[0].verification.worst
@@ -184,19 +184,19 @@ def test_strict_raises_on_failed_verification(monkeypatch):
 
     monkeypatch.setattr(glu, "swiglu", lambda g, u: torch.nn.functional.silu(u) * g)  # gate and up swapped
     model = _build("llama")
-    kp.patch(model, rules=["gated_mlp"], strict=True)
+    kprof_patch(model, rules=["gated_mlp"], strict=True)
     with pytest.raises(KprofError, match="gated_mlp at model.layers.0.mlp failed verification"):
         _loss("llama", model, torch.randint(0, V, (B, T)))
 
 
 def test_unknown_rule_id_is_a_clear_error():
     with pytest.raises(KprofError, match="unknown rule id.*nope"):
-        kp.patch(nn.Linear(2, 2), rules=["nope"])
+        kprof_patch(nn.Linear(2, 2), rules=["nope"])
 
 
 def test_non_module_is_a_clear_error():
     with pytest.raises(KprofError, match="needs an nn.Module"):
-        kp.patch(lambda x: x)
+        kprof_patch(lambda x: x)
 
 
 class _MyRMSNorm(nn.Module):
@@ -224,7 +224,7 @@ class _NotANorm(nn.Module):
 
 def test_rms_norm_is_matched_by_behaviour_not_name():
     model = nn.Sequential(_MyRMSNorm(32), _NotANorm(32))
-    report = kp.patch(model, rules=["rms_norm"])
+    report = kprof_patch(model, rules=["rms_norm"])
     assert [r.path for r in report.records] == ["0"]
     assert report.records[0].params["eps"] == 1e-5
     x = torch.randn(3, 32, requires_grad=True)

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import kprof.patch as kp
+from kprof.patch import patch as kprof_patch
 from kprof.errors import KprofError
 from kprof.rules import RULES, all_rules, find_matches, load_rules
 from kprof.rules.engine import probe_input
@@ -97,7 +97,7 @@ def test_a_module_is_patched_by_one_rule_only():
 
 def test_already_patched_module_is_not_matched_again():
     model = nn.Sequential(nn.LayerNorm(8))
-    report = kp.patch(model)
+    report = kprof_patch(model)
     assert _ids(model) == []
     report.unpatch()
     assert _ids(model) == [("layer_norm", "0")]
@@ -110,7 +110,7 @@ def test_custom_rule_example_loads_matches_and_verifies():
     torch.manual_seed(0)
     ref = nn.Sequential(PackedMLP())
     model = copy.deepcopy(ref)
-    report = kp.patch(model, rules=[rule])
+    report = kprof_patch(model, rules=[rule])
     assert [(r.rule, r.path) for r in report.records] == [("packed_swiglu", "0")]
     x = torch.randn(1, 4, 32, requires_grad=True)
     y = model(x)
