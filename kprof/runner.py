@@ -17,13 +17,21 @@ global hooks that need no edits to the script:
   `except Exception:` cannot swallow it.
 * Modules. Global forward pre/post hooks open/close a `kprof.module:<path>:<Class>` range (and
   an NVTX range `<path> (<Class>)`) around every module forward while the profiler runs; `<path>`
-  is the module's name in its root's `named_modules()`. Outside the profiled steps the hooks
-  only track nesting (to find roots) and return. Parse a range name with
-  `name[len("kprof.module:"):].rsplit(":", 1)`: paths may contain ":" (ModuleDict keys), class
-  names cannot.
-* Host syncs (kprof.syncs), losses (a wrapper around torch.autograd.backward), tokens per step
-  (the outermost forward's `input_ids` / first 2-D integer tensor), step times (CUDA events at
-  the boundaries on a GPU run, perf_counter otherwise) and peak memory.
+  is the module's name in its root's `named_modules()`. During warm-up the hooks only track
+  nesting (to find roots); during the timed steps they are removed (see `_set_quiet`). Parse a
+  range name with `name[len("kprof.module:"):].rsplit(":", 1)`: paths may contain ":"
+  (ModuleDict keys), class names cannot. Modules built inside a forward and never registered
+  get `<parent path>.<unregistered Class>`.
+* Host syncs (kprof.syncs), losses (a wrapper around torch.autograd.backward: per step, the
+  sum of the scalars passed to backward, before any GradScaler scaling), tokens per step (the
+  outermost forward's `input_ids` / first 2-D integer tensor), step times (CUDA events at the
+  boundaries on a GPU run, perf_counter otherwise) and peak memory.
+* A step cut short by an error or Ctrl-C keeps its range in the exported trace under
+  `kprof.partial_step#<n>`, so `kprof.step#<n>` ranges are always complete steps.
+
+In optimizer mode a step boundary runs inside torch's `Optimizer.step#<Class>.step` range (the
+post-hook is called within it), so `kprof.step#<n+1>` starts a few microseconds before that
+range of step n ends; every op of the optimizer step still lies inside `kprof.step#<n>`.
 
 Everything kprof installs is removed when the script ends, however it ends.
 """
