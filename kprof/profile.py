@@ -52,6 +52,7 @@ def profile_script(
     from kprof.runner import RunConfig, run_script
 
     notify = progress or (lambda event, **info: None)
+    store.ensure_root(out_root, exit_code=2)  # a bad --out fails now, not after the whole run
 
     with tempfile.TemporaryDirectory(prefix="kprof-trace-") as trace_dir:
         cfg = RunConfig(warmup=warmup, steps=steps, run_to_end=run_to_end, step_mode=step_mode,

@@ -100,11 +100,7 @@ def save_run(
 
     `name` defaults to `<YYYYmmdd-HHMMSS>-<script stem>` from `summary["script"]` and now.
     """
-    root = Path(root)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise KprofError(f"cannot create the run store {root}: {e.strerror}; pass --out DIR to save elsewhere") from e
+    root = ensure_root(root)
     base = name or run_dir_name(summary.get("script", "script"), _dt.datetime.now())
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{base}-", dir=root))
     try:
@@ -122,6 +118,20 @@ def save_run(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def ensure_root(root: str | os.PathLike, *, exit_code: int = 1) -> Path:
+    """Create the run store directory if needed; a KprofError if it can't be (checked before a
+    long profile so a bad --out fails at once, exit code 2 there)."""
+    root = Path(root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KprofError(f"cannot create the run store {root}: {e.strerror or e}; pass --out DIR to save elsewhere",
+                         exit_code=exit_code) from e
+    if not os.access(root, os.W_OK):
+        raise KprofError(f"the run store {root} is not writable; pass --out DIR to save elsewhere", exit_code=exit_code)
+    return root
 
 
 def _rename_free(tmp: Path, root: Path, base: str) -> Path:

@@ -156,12 +156,16 @@ def test_report_errors_name_the_file(capsys, tmp_path):
 
 
 def test_usage_errors_exit_2(capsys, tmp_path):
-    code, _, err = kprof_cli(capsys, "profile", tmp_path / "missing.py")
+    code, _, err = kprof_cli(capsys, "profile", tmp_path / "missing.py", "--out", tmp_path)
     assert code == 2 and "not found" in err and "missing.py" in err
-    code, _, err = kprof_cli(capsys, "profile", GPT, "--steps", "0")
+    code, _, err = kprof_cli(capsys, "profile", GPT, "--steps", "0", "--out", tmp_path)
     assert code == 2 and "--steps must be a positive integer" in err
-    code, _, err = kprof_cli(capsys, "profile", GPT, "--warmup", "-1")
+    code, _, err = kprof_cli(capsys, "profile", GPT, "--warmup", "-1", "--out", tmp_path)
     assert code == 2 and "--warmup" in err
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    code, _, err = kprof_cli(capsys, "profile", GPT, "--out", blocker / "runs")  # fails before running the script
+    assert code == 2 and "cannot create the run store" in err
     code, _, _ = kprof_cli(capsys, "profile", GPT, "--step", "sometimes")
     assert code == 2
     code, _, _ = kprof_cli(capsys, "profile")
