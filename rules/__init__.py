@@ -2,11 +2,11 @@
 
 `RULES` is the built-in list; its order is precedence (an object overridden by an earlier rule's
 match is left alone by later ones). Norms come first (leaf modules), then the MLP patterns, then
-attention, RoPE and the top-level loss. A user's rules (`--rules DIR`, see
+inline patterns in a forward (torch.fx), attention, RoPE and the top-level loss. A user's rules (`--rules DIR`, see
 examples/custom_rules/) go before the built-ins, so they win.
 """
 
-from kprof.rules import attention, gated_mlp, layer_norm, linear_cross_entropy, linear_gelu, rms_norm, rope
+from kprof.rules import attention, fx_inline, gated_mlp, layer_norm, linear_cross_entropy, linear_gelu, rms_norm, rope
 from kprof.rules.engine import Match, ProfilePattern, Rule, find_matches, load_rules, select
 
 RULES: list[Rule] = [
@@ -14,6 +14,7 @@ RULES: list[Rule] = [
     layer_norm.RULE,
     gated_mlp.RULE,
     linear_gelu.RULE,
+    fx_inline.RULE,  # after the module rules: only code no module swap reaches
     attention.RULE,
     rope.RULE,
     linear_cross_entropy.RULE,

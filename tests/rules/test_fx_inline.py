@@ -1,0 +1,69 @@
+"""Inline patterns in a forward, rewritten on the torch.fx graph: inline RMSNorm and silu(g) * u."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kprof.patch import patch as kprof_patch
+from kprof.rules import RULES, find_matches
+
+
+class Block(nn.Module):
+    """RMSNorm and SwiGLU written inline, as in many hand-written training scripts."""
+
+    def __init__(self, h=32, i=48):
+        super().__init__()
+        self.norm_w = nn.Parameter(torch.rand(h) + 0.5)
+        self.eps = 1e-6
+        self.gate = nn.Linear(h, i, bias=False)
+        self.up = nn.Linear(h, i, bias=False)
+        self.down = nn.Linear(i, h, bias=False)
+        self.proj = nn.Linear(h, h)
+
+    def forward(self, x):
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_w
+        h = self.proj(h)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class NotRMS(nn.Module):
+    """rsqrt of a mean, but of x (not x^2): must not be taken for an RMSNorm."""
+
+    def __init__(self, h=32):
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(h) + 0.5)
+        self.lin = nn.Linear(h, h)
+
+    def forward(self, x):
+        return self.lin(x * torch.rsqrt(x.abs().mean(-1, keepdim=True) + 1e-6) * self.w)
+
+
+def test_inline_patterns_rewritten_verified_and_unpatched():
+    torch.manual_seed(0)
+    ref = nn.Sequential(Block(), Block())
+    model = copy.deepcopy(ref)
+    report = kprof_patch(model)
+    assert [(r.rule, r.path) for r in report.records] == [("inline_fx", "0"), ("inline_fx", "1")]
+    assert report.records[0].params == {"rms_norm": [("norm_w", 1e-6)], "swiglu": 1}
+    gm = model[0].forward.__self__  # the rewritten GraphModule
+    assert gm.norm_w is model[0].norm_w and gm.gate is model[0].gate  # the module's own objects
+    code = gm.code
+    assert "rms_norm" in code and "swiglu" in code and "rsqrt" not in code and "silu(" not in code
+
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    y = model(x)
+    assert all(r.status == "verified" for r in report.records), str(report)
+    y.sum().backward()
+    y_ref = ref(x.detach().requires_grad_())
+    torch.testing.assert_close(y, y_ref, rtol=2e-5, atol=1e-5)  # fp32 row of the TOLERANCE table
+
+    report.unpatch()
+    assert "forward" not in model[0].__dict__
+
+
+def test_lookalike_is_not_matched():
+    assert [m.rule.id for m in find_matches(NotRMS(), RULES)] == []
