@@ -49,14 +49,13 @@ def test_inline_patterns_rewritten_verified_and_unpatched():
     report = kprof_patch(model)
     assert [(r.rule, r.path) for r in report.records] == [("inline_fx", "0"), ("inline_fx", "1")]
     assert report.records[0].params == {"rms_norm": [("norm_w", 1e-6)], "swiglu": 1}
-    gm = model[0].forward.__self__  # the rewritten GraphModule
-    assert gm.norm_w is model[0].norm_w and gm.gate is model[0].gate  # the module's own objects
-    code = gm.code
-    assert "rms_norm" in code and "swiglu" in code and "rsqrt" not in code and "silu(" not in code
-
     x = torch.randn(2, 5, 32, requires_grad=True)
     y = model(x)
     assert all(r.status == "verified" for r in report.records), str(report)
+    gm = model[0].forward.__self__  # after verification: the rewritten GraphModule's forward
+    assert gm.norm_w is model[0].norm_w and gm.gate is model[0].gate  # the module's own objects
+    code = gm.code
+    assert "rms_norm" in code and "swiglu" in code and "rsqrt" not in code and "silu(" not in code
     y.sum().backward()
     y_ref = ref(x.detach().requires_grad_())
     torch.testing.assert_close(y, y_ref, rtol=2e-5, atol=1e-5)  # fp32 row of the TOLERANCE table
