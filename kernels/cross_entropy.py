@@ -12,8 +12,8 @@ Napkin math (H200, 4.27 TB/s measured copy bandwidth, 132 SMs, 50-60 MB L2), bf1
 A row (128256 bf16 = 256 KB) cannot stay in one SM's registers, so each row is read twice: pass 1
 (online logsumexp over V in blocks), pass 2 (softmax - onehot, written as the gradient). The
 second read must come from L2, not HBM (it would cost 0.5 ms more). Two things keep it there:
-  - a persistent grid sized so that programs x row bytes ~ L2 size (`CEConfig.for_problem`); a
-    program's working set is on average half a row, so the live set is ~ half the L2;
+  - a persistent grid of 1-2 programs per SM, so that the live set (programs x half a row on
+    average) stays within ~3/4 of the L2 (`CEConfig.for_problem`);
   - pass 2 walks the row backwards, so it first re-reads the blocks pass 1 read last (the ones
     least likely to have been evicted), and pass 1's loads are marked evict_last, pass 2's
     evict_first, the gradient stores streaming (.cs).
@@ -247,19 +247,23 @@ def _sm_count_and_l2(device: torch.device) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class CEConfig:
-    """Launch parameters of the fused cross-entropy kernel; the one place to tune them."""
+    """Launch parameters of the fused cross-entropy kernel; the one place to tune them.
+
+    Register counts below are from ptxas -v for sm_90a on the Triton 3.9 compile (not measured
+    on the H200 yet; Triton 3.6 may differ). An H100/H200 SM has 65536 registers.
+    """
 
     block: int  # columns per load; a power of two
     num_warps: int
     n_programs: int  # persistent grid size
     single_block: bool  # whole row in one block (loaded once)
 
-    # Rows up to this many columns are held in registers: 16384 fp32 values over 16 warps is
-    # 32 registers a thread for the row (Triton's softmax tutorial keeps rows whole the same way).
+    # Rows up to this many columns are loaded once and held in registers: 16384 over 16 warps
+    # is 32 values a thread (127 registers, no spills), one program per SM.
     single_block_max = 16384
-    # Bytes per load per program in the blocked path: 16 KB (8192 bf16). With 8 warps that is
-    # 64 B = four 16-byte vector loads per thread per iteration.
-    blocked_bytes = 16384
+    # Live set of pass 1 -> pass 2 re-reads: programs x half a row on average. Keep it within this
+    # share of L2 so the re-read hits L2 (the other quarter: gradient stores streaming through).
+    l2_share = 0.75
 
     @classmethod
     def for_problem(cls, n_rows: int, n_cols: int, dtype: torch.dtype, device: torch.device) -> "CEConfig":
@@ -272,15 +276,21 @@ class CEConfig:
         if n_cols <= cls.single_block_max:
             block = triton.next_power_of_2(n_cols)
             warps = max(4, min(16, block // 1024))
-            # One read per row: no L2 constraint; enough programs to cover the SMs several times.
-            return cls(block, warps, max(1, min(n_rows, 8 * n_sm)), True)
+            # One read per row, no L2 constraint. Programs per SM by registers: ~1 at 16 warps.
+            per_sm = max(1, 16 // warps)
+            return cls(block, warps, max(1, min(n_rows, per_sm * n_sm)), True)
         elem = torch.empty((), dtype=dtype).element_size()
-        block = cls.blocked_bytes // elem
         row_bytes = n_cols * elem
-        # Pass 2 re-reads the row; keep programs x row bytes ~ L2 so the re-read hits L2 (the live
-        # set is about half of that on average), but at least one program per SM.
-        n_prog = max(n_sm, min(4 * n_sm, l2 // row_bytes))
-        return cls(block, 8, max(1, min(n_rows, n_prog)), False)
+        # Persistent grid of exactly k programs per SM (uneven residency would leave stragglers).
+        # Either way ~32 KB of loads is in flight per SM per iteration, about what 4.27 TB/s x
+        # ~1 us of HBM latency / 132 SMs needs:
+        #   k = 2: 16 KB blocks, 8 warps (128 registers: two programs fit), one program's loads
+        #          overlap the other's reductions; live set 2 x n_sm x row/2 (34 MB at V=128256 bf16);
+        #   k = 1: 32 KB blocks, 16 warps (128 registers), for rows too long for k = 2 in L2
+        #          (fp32 logits at V=128256, bf16 at V=256000: 512 KB rows).
+        if n_sm * row_bytes <= cls.l2_share * l2:
+            return cls(16384 // elem, 8, max(1, min(n_rows, 2 * n_sm)), False)
+        return cls(32768 // elem, 16, max(1, min(n_rows, n_sm)), False)
 
 
 def _check_logits_target(logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> None:

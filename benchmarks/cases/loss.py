@@ -142,3 +142,62 @@ CASES: list[Case] = [
         targets_us={"fwdbwd": 36100},  # issue: torch.compile's time; memory target: Liger's 1.06 GB extra
     ),
 ]
+
+
+# --- launch-config sweep for the CE kernel (run on the GPU; not part of CASES) ---------------
+
+
+def sweep_ce_configs(n: int = _N, v: int = _V, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+    """Time kprof's fused CE forward (which writes the gradient) over launch configs at one shape,
+    after checking each config against the default one. `python -m benchmarks.cases.loss`.
+
+    The forward alone is the CE case's fwd+bwd with grad_output == 1 (the backward is skipped).
+    Returns rows sorted by time; the first is what `CEConfig.for_problem` should pick.
+    """
+    import triton.testing
+
+    from kprof.kernels._common import assert_close
+
+    dev = torch.device("cuda")
+    logits = (torch.randn(n, v, device=dev) * 2).to(dtype)
+    target = _targets(n, v, "cuda")
+    scale = 1.0 / (target != -100).sum().float()
+    loss_ref = torch.empty(n, device=dev)
+    grad_ref = torch.empty_like(logits)
+    default = _ce.CEConfig.for_problem(n, v, dtype, dev)
+    _ce._ce_fwd_launch(logits, target, grad_ref, loss_ref, scale, -100, 0.0, 0.0, 0.0, config=default)
+    n_sm = torch.cuda.get_device_properties(dev).multi_processor_count
+    elem = logits.element_size()
+    configs = {default}
+    for block_bytes in (8192, 16384, 32768, 65536):
+        for warps in (4, 8, 16, 32):
+            for per_sm in (1, 2, 3, 4):
+                configs.add(_ce.CEConfig(block_bytes // elem, warps, per_sm * n_sm, False))
+    nbytes = _ce._ce_cost(n, v, dtype)["fwd"].bytes
+    rows = []
+    for cfg in sorted(configs, key=lambda c: (c.block, c.num_warps, c.n_programs)):
+        loss = torch.empty(n, device=dev)
+        grad = torch.empty_like(logits)
+        try:
+            _ce._ce_fwd_launch(logits, target, grad, loss, scale, -100, 0.0, 0.0, 0.0, config=cfg)
+            assert_close(loss, loss_ref)
+            assert_close(grad, grad_ref)
+        except Exception as e:  # noqa: BLE001 - a config that fails to compile or is wrong is a result
+            rows.append({"config": cfg, "ms": float("nan"), "note": f"{type(e).__name__}: {e}"[:120]})
+            continue
+        ms = triton.testing.do_bench(
+            lambda: _ce._ce_fwd_launch(logits, target, grad, loss, scale, -100, 0.0, 0.0, 0.0, config=cfg),
+            warmup=10, rep=100, return_mode="median",
+        )
+        rows.append({"config": cfg, "ms": ms, "tbps": nbytes / (ms * 1e-3) / 1e12, "default": cfg == default})
+    rows.sort(key=lambda r: (r["ms"] != r["ms"], r["ms"]))
+    for r in rows:
+        c = r["config"]
+        print(f"block={c.block:6d} warps={c.num_warps:2d} programs={c.n_programs:4d} "
+              f"{r['ms']:.3f} ms {r.get('tbps', float('nan')):.2f} TB/s {'(default)' if r.get('default') else ''}"
+              f"{r.get('note', '')}")
+    return rows
+
+
+if __name__ == "__main__":
+    sweep_ce_configs()
