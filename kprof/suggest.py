@@ -100,7 +100,8 @@ def match_pattern(pattern, table: pd.DataFrame) -> list[str]:
         kid_own = [table.at[c, "own"] for c in children]
         if pattern.child_any and not any(any(has(k, pattern.child_any)) for k in kid_own):
             continue
-        if pattern.child_linear and sum(any(has(k, _MATMUL)) for k in kid_own) < pattern.child_linear:
+        n_mm = sum(any(has(k, _MATMUL)) for k in kid_own)
+        if n_mm < pattern.child_linear or (pattern.child_linear_max is not None and n_mm > pattern.child_linear_max):
             continue
         out.append(path)
     return out

@@ -85,17 +85,19 @@ def cost(batch_heads: int, seq: int, head_dim: int, dtype: torch.dtype = torch.b
     return {"fwd": Cost(f, 4 * t), "bwd": Cost(2.5 * f, 8 * t)}
 
 
+_PATTERN = dict(own_all=("softmax",), own_any=("matmul", "bmm"),
+                own_none=("scaled_dot_product_attention", "scaled_dot_product_flash_attention",
+                          "scaled_dot_product_efficient_attention"),
+                evidence=("own:matmul", "own:bmm", "own:softmax", "own:masked_fill", "own:div", "own:where"))
+
 RULE = Rule(
     id="attention_sdpa",
     title="hand-written attention -> F.scaled_dot_product_attention",
     kernels=(),
     match=match,
     replace=replace,
-    profile=ProfilePattern(own_all=("softmax",), own_any=("matmul", "bmm"),
-                           own_none=("scaled_dot_product_attention", "scaled_dot_product_flash_attention",
-                                     "scaled_dot_product_efficient_attention"),
-                           evidence=("own:matmul", "own:bmm", "own:softmax", "own:masked_fill",
-                                     "own:div", "own:where")),
+    # nanoGPT-shaped: a fused qkv Linear and an output Linear (two matmul children).
+    profile=ProfilePattern(**_PATTERN, child_linear=1, child_linear_max=2),
     problem=problem,
     cost=cost,
     tensor_core=True,
@@ -103,5 +105,23 @@ RULE = Rule(
     code_change=("replace the scores/mask/softmax/matmul lines with "
                  "`y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)`; "
                  "for a Hugging Face model load it with attn_implementation=\"sdpa\""),
+    confidence="high",
+)
+
+
+# Any other hand-written attention (separate q/k/v projections, Hugging Face's eager path): the
+# same evidence and estimate, but the fix is a code change kprof doesn't make for you.
+CODE_RULE = Rule(
+    id="attention_sdpa_code",
+    title="hand-written attention -> F.scaled_dot_product_attention (code change)",
+    kernels=(),
+    match=None,
+    replace=None,
+    profile=ProfilePattern(**_PATTERN, child_linear=3),
+    problem=problem,
+    cost=cost,
+    tensor_core=True,
+    change=RULE.change,
+    code_change=RULE.code_change,
     confidence="high",
 )

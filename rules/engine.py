@@ -75,7 +75,8 @@ class ProfilePattern:
     qualifies if the ops attributed to the module itself ("own") contain every name in `own_all`,
     at least one of `own_any` (when given) and none of `own_none`; the own ops of its direct
     children contain at least one of `child_any` (when given); at least `child_linear` direct
-    children run a matmul (mm/addmm/linear/matmul/bmm); and `root_only` keeps top-level modules.
+    children run a matmul (mm/addmm/linear/matmul/bmm), and at most `child_linear_max`; and
+    `root_only` keeps top-level modules.
 
     `evidence` selects the ops whose device time (forward, and backward where the profile
     attributes it to the module) the replacement removes:
@@ -89,6 +90,7 @@ class ProfilePattern:
     own_none: tuple[str, ...] = ()
     child_any: tuple[str, ...] = ()
     child_linear: int = 0
+    child_linear_max: int | None = None  # at most this many matmul children (None: no limit)
     root_only: bool = False
     evidence: tuple[str, ...] = ("*",)
 

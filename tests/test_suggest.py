@@ -42,6 +42,10 @@ def _table():
         # nested op: its child (a copy) belongs to the matmul
         _op("blk.0.attn", "Attn", "aten::matmul", op_id=20), _op("blk.0.attn", "Attn", "aten::copy_", op_id=21, parent=20),
         _op("blk.0.attn", "Attn", "aten::_softmax", op_id=22), _op("blk.0.attn", "Attn", "aten::add", op_id=23),
+        _op("blk.0.attn.qkv", "Linear", "aten::addmm", op_id=24), _op("blk.0.attn.proj", "Linear", "aten::addmm", op_id=25),
+        # Hugging Face-style eager attention: four projections -> the code-change rule
+        _op("blk.1.attn", "HFAttn", "aten::matmul", op_id=40), _op("blk.1.attn", "HFAttn", "aten::softmax", op_id=41),
+        *[_op(f"blk.1.attn.{p}_proj", "Linear", "aten::mm", op_id=42 + i) for i, p in enumerate("qkvo")],
         _op("<optimizer>", "", "aten::add_", phase="optim", op_id=30),
     ]
     return pd.DataFrame(rows)
@@ -55,6 +59,7 @@ def test_patterns_match_by_ops():
     assert by["layer_norm"] == ["blk.0.ln"]
     assert by["gated_mlp"] == ["blk.0.mlp"]
     assert by["attention_sdpa"] == ["blk.0.attn"]
+    assert by["attention_sdpa_code"] == ["blk.1.attn"]
     assert by["linear_gelu"] == []
 
 
