@@ -166,6 +166,8 @@ def test_usage_errors_exit_2(capsys, tmp_path):
     blocker.write_text("")
     code, _, err = kprof_cli(capsys, "profile", GPT, "--out", blocker / "runs")  # fails before running the script
     assert code == 2 and "cannot create the run store" in err
+    code, _, err = kprof_cli(capsys, "profile", tmp_path, "--out", tmp_path)
+    assert code == 2 and "is a folder" in err
     code, _, _ = kprof_cli(capsys, "profile", GPT, "--step", "sometimes")
     assert code == 2
     code, _, _ = kprof_cli(capsys, "profile")
@@ -334,6 +336,13 @@ def test_script_raising_before_any_step(capsys, tmp_path):
     code, out, err = kprof_cli(capsys, "profile", script, "--out", tmp_path / "runs")
     assert code != 0 and "too early" in err and "before any step was recorded" in err
     assert store.list_runs(tmp_path / "runs") == []
+
+
+def test_script_with_syntax_error(capsys, tmp_path):
+    script = tmp_path / "broken.py"
+    script.write_text("def f(:\n")
+    code, _, err = kprof_cli(capsys, "profile", script, "--out", tmp_path / "runs")
+    assert code == 1 and "SyntaxError" in err and "before any step was recorded" in err
 
 
 def test_script_system_exit_0_is_fine(capsys, tmp_path):
