@@ -1,0 +1,76 @@
+"""Where does a kernel's fwd+bwd time go? GPU kernel time (torch.profiler) vs wall time (do_bench).
+
+    python benchmarks/diagnose.py [--only rms_norm,softmax]
+
+For each benchmark case and implementation: do_bench median of fwd+bwd, the summed GPU kernel
+time per iteration from torch.profiler (each kernel by name), and the host time per iteration.
+If do_bench >> kernel time, the gap is host overhead or a sync, not the kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_kernels import _grad_leaves, _outputs, _run_fwd_bwd, load_cases  # noqa: E402
+
+
+def main() -> None:
+    import triton.testing
+    from torch.profiler import ProfilerActivity, profile
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only")
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args()
+    only = set(args.only.split(",")) if args.only else None
+    for case in load_cases(only):
+        inputs = case.make_inputs("cuda", torch.bfloat16)
+        leaves = _grad_leaves(inputs)
+        fns = {"kprof": case.kprof}
+        if case.liger is not None:
+            try:
+                fns["liger"] = case.liger()
+            except Exception:  # noqa: BLE001
+                pass
+        for name, fn in fns.items():
+            outs = [o for o in _outputs(fn(**inputs)) if isinstance(o, torch.Tensor) and o.requires_grad]
+            grads = [torch.randn_like(o) for o in outs]
+            del outs
+            step = (lambda: _run_fwd_bwd(fn, inputs, grads)) if case.backward else (lambda: fn(**inputs))
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            t = triton.testing.do_bench(step, warmup=25, rep=100, grad_to_none=leaves, return_mode="median") * 1e3
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(args.iters):
+                    for x in leaves:
+                        x.grad = None
+                    step()
+                torch.cuda.synchronize()
+            per_kernel = defaultdict(float)
+            host = 0.0
+            for e in prof.events():
+                if e.device_type == torch.autograd.DeviceType.CUDA:
+                    per_kernel[e.name[:70]] += e.device_time / args.iters
+            syncs = sum(1 for e in prof.events() if "Synchronize" in e.name) / args.iters
+            host = sum(e.cpu_time_total for e in prof.events() if e.cpu_parent is None and e.device_type == torch.autograd.DeviceType.CPU) / args.iters
+            gpu = sum(per_kernel.values())
+            print(f"{case.label:55s} {name:6s} do_bench {t:8.1f} us | kernels {gpu:8.1f} us | host {host:8.1f} us | syncs/iter {syncs:.1f}")
+            for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:4]:
+                print(f"      {v:8.1f} us  {k}")
+            for x in leaves:
+                x.grad = None
+        del inputs
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
