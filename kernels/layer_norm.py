@@ -174,6 +174,8 @@ def _layer_norm_bwd_kernel(
             c2 = tl.sum(g, axis=1) / n_cols
             dx = (g - c2[:, None] - x_hat * c1[:, None]) * rstd[:, None]
             tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], _cast(dx, DX.dtype.element_ty, EMULATE_RTNE), mask=mask)
+            # (Accumulating dw/db before the reductions, as rms_norm does, made ptxas spill 8 B
+            # per thread here at 4096 columns, bf16, sm_90: kept after.)
             if COMPUTE_DW:
                 dw_acc += dy * x_hat
             if COMPUTE_DB:

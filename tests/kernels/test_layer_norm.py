@@ -315,3 +315,24 @@ def test_cost_model():
     assert registry.op_cost("kprof::layer_norm_bwd", [x, x, p, stat, stat]) == c["bwd"]
     assert registry.op_cost("kprof::layer_norm_bwd", [x, x, stat, stat]) == bare["bwd"]
     assert registry.get("layer_norm") is SPEC
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile and run the kernels")
+def test_kernels_compile_for_sm90():
+    """See test_rms_norm.test_kernels_compile_for_sm90: the compiler, not the interpreter."""
+    pytest.importorskip("triton.backends.nvidia")
+    from test_rms_norm import aot_compile
+
+    variants = []
+    for cols, dtypes in ((4096, ("*bf16", "*fp32")), (MAX_FUSED_N + 1, ("*bf16",))):  # in-register, looped
+        f, b = rms_norm_module.RowConfig.forward(cols), rms_norm_module.RowConfig.backward(cols)
+        for dtype in dtypes:
+            for affine in (True, False):
+                variants.append(("_layer_norm_fwd_kernel", dtype, dict(
+                    HAS_WEIGHT=affine, HAS_BIAS=affine, LOOP=f.loop, EMULATE_RTNE=False,
+                    BLOCK_M=f.block_m, BLOCK_N=f.block_n), f.num_warps))
+                variants.append(("_layer_norm_bwd_kernel", dtype, dict(
+                    HAS_WEIGHT=affine, COMPUTE_DW=affine, COMPUTE_DB=affine, LOOP=b.loop, EMULATE_RTNE=False,
+                    BLOCK_M=b.block_m, BLOCK_N=b.block_n), b.num_warps))
+    aot_compile("kprof.kernels.layer_norm", variants)

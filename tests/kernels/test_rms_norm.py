@@ -406,3 +406,60 @@ def test_cost_model():
     assert registry.op_cost("kprof::rms_norm_bwd", [x, x, w, rstd]) == c["bwd"]
     assert registry.op_cost("kprof::rms_norm_bwd", [x, x, w, rstd, x]) == add["bwd"]
     assert registry.get("rms_norm") is SPEC and registry.get("rms_norm_add") is ADD_SPEC
+
+
+# The interpreter accepts code the compiler rejects (and never shows register pressure), so
+# CPU CI also compiles the kernels for sm_90 ahead of time, in a subprocess without
+# TRITON_INTERPRET (ptxas ships with Triton). On a CUDA machine the GPU tests compile them.
+AOT_SCRIPT = r"""
+import os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import importlib
+
+FP32_PTRS = {"RSTD", "MEAN", "DW_PART", "DB_PART", "C"}
+mod = importlib.import_module(sys.argv[1])
+for name, dtype, consts, warps in eval(sys.argv[2]):
+    fn = getattr(mod, name)
+    sig = {}
+    for a in fn.arg_names:  # pointers are UPPERCASE in these kernels
+        if a in consts:
+            sig[a] = "constexpr"
+        elif a.isupper():
+            sig[a] = "*fp32" if a in FP32_PTRS else dtype
+        else:
+            sig[a] = "fp32" if a in ("eps", "offset") else "i32"
+    triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    print("compiled", name, dtype, consts)
+"""
+
+
+def aot_compile(module: str, variants: list) -> None:
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", AOT_SCRIPT, module, repr(variants)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("compiled") == len(variants)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile and run the kernels")
+def test_kernels_compile_for_sm90():
+    pytest.importorskip("triton.backends.nvidia")
+    variants = []
+    for cols, dtypes in ((4096, ("*bf16", "*fp32")), (MAX_FUSED_N + 1, ("*bf16",))):  # in-register, looped
+        f, b = rms_norm_module.RowConfig.forward(cols), rms_norm_module.RowConfig.backward(cols)
+        for dtype in dtypes:
+            for resid, gemma in ((False, False), (True, True)):
+                variants.append(("_rms_norm_fwd_kernel", dtype, dict(
+                    HAS_RESIDUAL=resid, GEMMA=gemma, LOOP=f.loop, EMULATE_RTNE=False,
+                    BLOCK_M=f.block_m, BLOCK_N=f.block_n), f.num_warps))
+                variants.append(("_rms_norm_bwd_kernel", dtype, dict(
+                    HAS_DS=resid, LOOP=b.loop, EMULATE_RTNE=False, BLOCK_M=b.block_m, BLOCK_N=b.block_n), b.num_warps))
+    aot_compile("kprof.kernels.rms_norm", variants)
