@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import pathlib
 import re
 import threading
 
@@ -90,6 +91,28 @@ def test_concurrent_saves_never_clobber(tmp_path):
     assert sorted(p.name for p in paths) == sorted(["20250101-000000-x"] + [f"20250101-000000-x-{i}" for i in range(2, n + 1)])
     assert sorted(store.load_summary(p)["who"] for p in paths) == list(range(n))
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp dirs left
+
+
+def _save_in_child(root, i, barrier, q):
+    barrier.wait()
+    q.put(str(store.save_run(_summary(who=i), _ops(), None, root=root, name="20250101-000000-p")))
+
+
+def test_concurrent_saves_from_processes(tmp_path):
+    """Two kprof processes saving at once (the real case: two `kprof profile` in one second)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")  # the children only need the store; fork starts them in ms
+    barrier, q = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_save_in_child, args=(tmp_path, i, barrier, q)) for i in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    paths = sorted(q.get(timeout=5) for _ in procs)
+    assert [store.load_summary(p)["who"] for p in paths] in ([0, 1], [1, 0])
+    assert [pathlib.Path(p).name for p in paths] == ["20250101-000000-p", "20250101-000000-p-2"]
 
 
 def test_list_and_latest(tmp_path):
