@@ -130,8 +130,10 @@ def test_patch_matches_verifies_and_trains_like_eager(name):
     losses, opt = _train(name, model, x)
     assert not report.pending and not report.failed, str(report)
     assert all(r.status == "verified" for r in report.records), str(report)
-    # 5 AdamW steps in fp32: each patched op is within fp32 rounding of eager; Adam's normalised
-    # update keeps per-step differences at that level, measured < 1e-5 relative here.
+    # 5 AdamW steps in fp32. Each patched op is within fp32 rounding of eager (verification
+    # checks that); the losses of the two models then differ by that rounding carried through
+    # Adam's normalised updates: measured 0 to 8e-8 relative on these models. rtol 1e-4 is a
+    # bound on that drift, not a kernel tolerance; a wrong kernel moves the first loss by > 1e-2.
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5)
 
     assert [id(p) for p in model.parameters()] == params_before
@@ -230,4 +232,55 @@ def test_rms_norm_is_matched_by_behaviour_not_name():
     x = torch.randn(3, 32, requires_grad=True)
     model(x).sum().backward()
     assert report.records[0].status == "verified"
+    report.unpatch()
+
+
+def test_cpu_without_interpreter_falls_back_to_reference_and_says_so(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # kernels check at call time (kprof.kernels._common)
+    model = nn.Sequential(nn.LayerNorm(16))
+    report = kprof_patch(model, rules=["layer_norm"])
+    assert "runs its PyTorch reference" in report.records[0].note
+    model(torch.randn(2, 16, requires_grad=True))
+    assert report.records[0].status == "verified"
+    report.unpatch()
+
+
+# ------------------------------------------------------------------------------------------
+# GPU: the real Triton kernels, bf16, and torch.compile over a patched model.
+
+GPU_MODELS = ["llama", "gemma", "gpt2", "repo_gpt"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GPU_MODELS)
+def test_patch_bf16_on_gpu(name):
+    ref = _build(name).to("cuda", torch.bfloat16)
+    model = copy.deepcopy(ref)
+    x = torch.randint(0, V, (4, 33), device="cuda")  # repo GPT: block_size 32
+    report = kprof_patch(model)
+    assert {r.rule for r in report.records} == set(EXPECTED[name]), str(report)
+    ref_losses, _ = _train(name, ref, x)
+    losses, _ = _train(name, model, x)
+    assert all(r.status == "verified" for r in report.records), str(report)
+    # First loss: same weights, so within the bf16 row of the tolerance table. Later losses drift
+    # apart by bf16 rounding of different (both correct) updates; they are checked for sanity only.
+    t = __import__("kprof.kernels._common", fromlist=["TOLERANCE"]).TOLERANCE[torch.bfloat16]
+    assert abs(losses[0] - ref_losses[0]) <= t.atol + t.rtol * abs(ref_losses[0]), (losses, ref_losses)
+    assert losses[-1] < losses[0]
+    report.unpatch()
+
+
+@pytest.mark.gpu
+def test_patched_model_under_torch_compile_gpu():
+    ref = _build("llama").to("cuda")
+    model = copy.deepcopy(ref)
+    x = torch.randint(0, V, (2, 33), device="cuda")
+    report = kprof_patch(model)
+    _loss("llama", model, x).backward()  # first call verifies eagerly
+    assert all(r.status == "verified" for r in report.records), str(report)
+    compiled = torch.compile(model)
+    loss = _loss("llama", compiled, x)
+    loss.backward()
+    with torch.no_grad():
+        torch.testing.assert_close(loss, _loss("llama", ref, x), rtol=2e-5, atol=1e-5)
     report.unpatch()
