@@ -345,6 +345,7 @@ def _ce_fwd_launch(
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
+    target = target.contiguous()  # the kernel reads target[row] at unit stride
     _check_target_values(target, n_cols, ignore_index)
     cfg = config or CEConfig.for_problem(n_rows, n_cols, logits.dtype, logits.device)
     compute_grad = grad is not None
@@ -382,7 +383,10 @@ def _scale_launch(grad: torch.Tensor, scale: torch.Tensor) -> None:
     if not grad.is_contiguous():
         raise KprofError("internal: the fused gradient buffer should be contiguous")
     scalar = scale.numel() == 1
-    n_rows, n_cols = (1, grad.numel()) if scalar else (grad.shape[0], grad.numel() // grad.shape[0])
+    # Tiles of one row each: the row offset is int64 in the kernel, column offsets stay int32
+    # (grad_W of a 256000 x 8192 head has 2.1e9 > 2^31 elements).
+    n_rows = grad.shape[0] if grad.dim() > 1 else 1
+    n_cols = grad.numel() // n_rows
     block = 4096 if grad.is_cuda else min(triton.next_power_of_2(n_cols), 8192)
     n_tiles = n_rows * triton.cdiv(n_cols, block)
     n_prog = n_tiles if not grad.is_cuda else min(n_tiles, 4 * _sm_count_and_l2(grad.device)[0])
@@ -481,7 +485,9 @@ class _CrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, logits, target, ignore_index, label_smoothing, reduction, z_loss, softcap, inplace_grad, need_grad):
         scale = _grad_scale(target, ignore_index, reduction)
         sc = float(softcap or 0.0)
-        if need_grad and inplace_grad and logits.stride(-1) == 1:
+        # In place needs unit stride along V and rows that do not overlap (not an expand()).
+        inplace_ok = logits.stride(-1) == 1 and logits.stride(0) >= logits.shape[1]
+        if need_grad and inplace_grad and inplace_ok:
             loss_rows = torch.ops.kprof.cross_entropy_fwd_inplace(
                 logits, target, scale, ignore_index, label_smoothing, z_loss, sc
             )
@@ -545,7 +551,8 @@ def cross_entropy(
         (saves N*V*itemsize bytes, as Liger does by default). The logits' values are destroyed;
         only use it when nothing reads them afterwards. If an autograd node saved them, its
         backward raises torch's "modified by an inplace operation" error rather than computing
-        garbage. Needs unit stride along V (otherwise a separate buffer is used).
+        garbage. Needs unit stride along V and non-overlapping rows (otherwise a separate
+        buffer is used).
 
     The gradient is computed in the forward (only when `logits` requires grad), so the backward
     is free for `loss.backward()` (grad_output == 1, skipped on the device) and costs one

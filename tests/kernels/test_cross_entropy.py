@@ -138,6 +138,14 @@ def test_all_ignored(label_smoothing, reduction, dtype, device):
     assert torch.count_nonzero(grad) == 0
 
 
+def test_strided_target(device):
+    logits, _ = _inputs(6, 40, torch.float32, device)
+    _, t = _inputs(12, 40, torch.float32, device)
+    target = t[::2]
+    assert not target.is_contiguous()
+    _check(logits, target)
+
+
 def test_custom_ignore_index(device):
     logits, target = _inputs(9, 40, torch.float32, device, ignore_every=0)
     target[2] = 7
@@ -309,13 +317,23 @@ def test_property_random(n, v, dtype, label_smoothing, z_loss, softcap, reductio
         (torch.randn(4, 5), torch.zeros(4, dtype=torch.long), {"label_smoothing": 1.5}, "label_smoothing"),
         (torch.randn(4, 5), torch.zeros(4, dtype=torch.long), {"softcap": 0.0}, "softcap"),
         (torch.randn(4, 5), torch.zeros(4, dtype=torch.long), {"z_loss": -1.0}, "z_loss"),
-        (torch.randn(4, 5), torch.tensor([0, 1, 5, 2]), {}, "targets must be in \\[0, 5\\)"),
-        (torch.randn(4, 5), torch.tensor([0, -1, 2, 2]), {}, "targets must be in \\[0, 5\\)"),
     ],
 )
 def test_errors(logits, target, kw, match):
+    # Argument errors are raised before any kernel runs, for tensors on any device.
     with pytest.raises(KprofError, match=match):
         cross_entropy(logits, target, **kw)
+
+
+@pytest.mark.parametrize("target", [[0, 1, 5, 2], [0, -1, 2, 2]])
+def test_target_out_of_range(target):
+    # Checked on the host for CPU tensors (interpreter). On CUDA the check is a device-side assert
+    # (no host sync, like torch's own cross_entropy), which would poison the test's CUDA context,
+    # so this runs in the interpreter only.
+    if HAS_CUDA:
+        pytest.skip("CPU-tensor check; on CUDA an out-of-range target is a device-side assert")
+    with pytest.raises(KprofError, match="targets must be in \\[0, 5\\) or ignore_index=-100"):
+        cross_entropy(torch.randn(4, 5), torch.tensor(target))
 
 
 # ----- registry -----
