@@ -229,10 +229,13 @@ def apply(
                      + ", ".join(sorted({r.path for r in pending})[:5]))
     for rep in reports:
         for rid, why in rep.skipped:
-            notes.append(f"{rid}: {why}")
-        for r in rep.records:
-            if r.note:
-                notes.append(f"{r.rule} at {r.path or '<model>'}: {r.note}")
+            if rid in ids:
+                notes.append(f"{rid}: {why}")
+    by_note: dict[tuple[str, str], int] = {}
+    for r in recs:
+        if r.note:
+            by_note[(r.rule, r.note)] = by_note.get((r.rule, r.note), 0) + 1
+    notes += [f"{rule} ({n} module{'s' if n > 1 else ''}): {note}" for (rule, note), n in by_note.items()]
     failed = [r for r in recs if r.status == "reverted"]
     if strict and failed:
         raise KprofError("--strict: " + "; ".join(f"{r.rule} at {r.path}: {r.verification.summary()}" for r in failed))

@@ -238,7 +238,7 @@ def patch(
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())
     for m in find_matches(model, chosen):
         rec = PatchRecord(m.rule.id, m.path, m.source, dict(m.params))
-        if on_cpu and not interpreter_enabled():
+        if on_cpu and not interpreter_enabled() and m.rule.kernels:
             cuda_only = [k for k in m.rule.kernels if (s := kernel_spec(k)) is not None and s.cuda_only]
             rec.note = ("CPU without the Triton interpreter: the kernel runs its PyTorch reference"
                         + (f" ({', '.join(cuda_only)} is CUDA-only)" if cuda_only else ""))
