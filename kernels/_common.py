@@ -5,7 +5,9 @@ Where a kernel runs:
 - CPU tensors with TRITON_INTERPRET=1 set before triton was imported (CI, tests): the same
   Triton kernel through Triton's interpreter. Note: the interpreter (Triton 3.9) computes
   bf16 arithmetic wrongly (`x * 2` on a bf16 block gives garbage); kernels upcast to fp32
-  before any arithmetic, which is also what they must do on the GPU for accuracy.
+  before any arithmetic, which is also what they must do on the GPU for accuracy. It also
+  truncates fp32 -> bf16 casts instead of rounding to nearest (measured on 64K values), so CPU
+  bf16 results can be one ulp off the GPU's; the bf16 tolerance covers that.
 - CPU tensors otherwise: the pure-PyTorch reference, with a one-time warning.
 """
 
@@ -25,6 +27,19 @@ def interpreter_enabled() -> bool:
 def use_triton(t: torch.Tensor) -> bool:
     """True if the Triton kernel can run on tensors on `t`'s device."""
     return t.is_cuda or (t.device.type == "cpu" and interpreter_enabled())
+
+
+def via_custom_op() -> bool:
+    """Whether a kernel call should go through its `torch.library` custom op.
+
+    Only when it pays: under torch.compile (the opaque op keeps the graph whole) and while a
+    profiler records (the trace then names `kprof::*` ops with their input shapes, which the cost
+    model reads). Otherwise the autograd.Function calls the launcher directly, because on the
+    H200 machine's host (Xeon, 2026-11-29, benchmarks/host_overhead.py) a custom-op call costs
+    30 us against 24 us for the bare Triton launch, and a fwd+bwd through custom ops 244 us
+    against 163 us: at these kernels' 65-200 us GPU times, host time decides the wall time.
+    """
+    return torch.compiler.is_compiling() or torch._C._autograd._profiler_enabled()
 
 
 _warned: set[str] = set()
