@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 CSV_FIELDS = [
     "date", "gpu", "torch", "triton", "liger", "kernel", "case", "impl", "mode",
-    "median_us", "floor_us", "pct_of_floor", "gbps", "pct_copy_bw", "peak_extra_mb",
+    "median_us", "graph_us", "floor_us", "pct_of_floor", "gbps", "pct_copy_bw", "peak_extra_mb",
     "target_us", "meets_target", "max_rel_err", "note",
 ]
 
@@ -81,6 +81,32 @@ def _grad_leaves(inputs: dict):
 def _run_fwd_bwd(fn, inputs, grads):
     outs = [o for o in _outputs(fn(**inputs)) if isinstance(o, torch.Tensor) and o.requires_grad]
     torch.autograd.backward(outs, grads[: len(outs)])
+
+
+def graph_time_us(step, leaves) -> float:
+    """Median time of one CUDA-graph replay of `step`: the GPU-side time with host launch
+    overhead removed (METHOD.md). do_bench's wall time can be host-bound on this machine's CPU
+    (an aten op costs ~12 us of host time there; benchmarks/host_overhead.py)."""
+    import triton.testing
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            for t in leaves:
+                t.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    for t in leaves:
+        t.grad = None
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    t = triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median") * 1e3
+    del g
+    for t_ in leaves:
+        t_.grad = None
+    return t
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -178,7 +204,17 @@ def bench_case(case, copy_bw_gbps, mm_tflops, versions, rows):
             r["peak_extra_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
             for t in leaves:
                 t.grad = None
+            try:
+                r["fwdbwd_graph"] = graph_time_us(lambda: _run_fwd_bwd(fn, inputs, grads), leaves)
+            except Exception as e:  # noqa: BLE001 - e.g. a peer that syncs cannot be captured
+                notes[name] = (notes.get(name, "") + f" graph capture failed: {type(e).__name__}")[:200]
+                torch.cuda.synchronize()
             del grads
+        try:
+            r["fwd_graph"] = graph_time_us(lambda: fn(**inputs), [])
+        except Exception as e:  # noqa: BLE001
+            notes[name] = (notes.get(name, "") + f" graph capture failed: {type(e).__name__}")[:200]
+            torch.cuda.synchronize()
         results[name] = r
 
     for name, r in results.items():
@@ -191,7 +227,9 @@ def bench_case(case, copy_bw_gbps, mm_tflops, versions, rows):
             rows.append({
                 **versions,
                 "kernel": case.kernel, "case": case.label, "impl": name, "mode": mode,
-                "median_us": round(t_us, 2), "floor_us": round(floors[mode], 2),
+                "median_us": round(t_us, 2),
+                "graph_us": round(r[mode + "_graph"], 2) if mode + "_graph" in r else "",
+                "floor_us": round(floors[mode], 2),
                 "pct_of_floor": round(100 * floors[mode] / t_us, 1),
                 "gbps": round(nbytes / (t_us * 1e-6) / 1e9, 1),
                 "pct_copy_bw": round(100 * nbytes / (t_us * 1e-6) / 1e9 / copy_bw_gbps, 1),
@@ -272,6 +310,8 @@ def _print_table(path: Path, date: str) -> None:
     if df.empty:
         return
     piv = df.pivot_table(index=["case", "mode"], columns="impl", values="median_us", aggfunc="first")
+    gpiv = df.pivot_table(index=["case", "mode"], columns="impl", values="graph_us", aggfunc="first")
+    piv = piv.join(gpiv, rsuffix=" (graph)")
     extra = df[df["impl"] == "kprof"].set_index(["case", "mode"])[["floor_us", "pct_copy_bw", "target_us", "meets_target"]]
     with pd.option_context("display.width", 250, "display.max_columns", 20):
         print(piv.join(extra).round(1).to_string())
