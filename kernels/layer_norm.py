@@ -438,8 +438,9 @@ def layer_norm(
 ) -> torch.Tensor:
     """LayerNorm over the last dim of `x` (..., N); weight and bias of shape (N,) or None.
 
-    Matches `F.layer_norm(x, (N,), weight, bias, eps)`: mean and biased variance in fp32 (two
-    passes, not E[x²] - E[x]²), affine in fp32, one cast to x's dtype. dtypes: float32,
+    Matches `F.layer_norm(x, (N,), weight, bias, eps)`: mean and biased variance in fp32 (a
+    corrected two-pass, not E[x²] - E[x]²: accurate when |mean| >> std, where torch's own fp32
+    kernel is off by ~3e-5), affine in fp32, one cast to x's dtype. dtypes: float32,
     float16, bfloat16; weight and bias may differ from x (the output keeps x's dtype, the
     gradients their parameters' dtypes). Any leading shape and strides; rows of any width.
     """
