@@ -188,10 +188,39 @@ def predict_us(rule, problem: dict | None, summary: dict) -> float | None:
     return sum(roofline_us(c, summary.get("ceilings") or {}, cls) for c in costs.values())
 
 
-def _source(summary: dict, paths: Sequence[str], classes: Sequence[str]) -> str:
-    """file:line of the matched module's code, if the run recorded it (summary['module_sources'],
-    keyed by module path or class name)."""
-    src = summary.get("module_sources") or {}
+def script_sources(script: str | None, hint: str | None = None) -> dict[str, str]:
+    """{class name: "file:line"} for classes defined in the profiled script itself, read with
+    `ast` (nothing is imported or run): the line of the first call named `hint` in the class's
+    forward (e.g. "softmax", the line a code change starts at), else of `def forward`."""
+    import ast
+
+    if not script or not Path(script).is_file():
+        return {}
+    try:
+        tree = ast.parse(Path(script).read_text(), filename=script)
+    except (SyntaxError, OSError, UnicodeDecodeError):
+        return {}
+    out = {}
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        fwd = next((f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "forward"), None)
+        if fwd is None:
+            continue
+        line = fwd.lineno
+        if hint:
+            calls = [c for c in ast.walk(fwd) if isinstance(c, ast.Call)
+                     and getattr(c.func, "attr", getattr(c.func, "id", None)) == hint]
+            if calls:
+                line = min(c.lineno for c in calls)
+        out[cls.name] = f"{script}:{line}"
+    return out
+
+
+def _source(summary: dict, paths: Sequence[str], classes: Sequence[str], hint: str | None = None) -> str:
+    """file:line of the matched module's code: from the run (summary['module_sources'], keyed by
+    module path or class name) if the profiler recorded it, else for classes defined in the
+    script, from the script's source."""
+    src = dict(script_sources(summary.get("script"), hint))
+    src.update(summary.get("module_sources") or {})
     for p, c in zip(paths, classes):
         s = src.get(p) or src.get(c)
         if s:
@@ -245,7 +274,7 @@ def suggest(run, rules: Sequence[Any] | None = None) -> pd.DataFrame:
             "where": ", ".join(f"{g} x {n}" if n > 1 else g or "<model>" for g, n in group_paths(paths)),
             "paths": paths,
             "module_class": ", ".join(sorted(set(classes))),
-            "source": _source(summary, paths, classes),
+            "source": _source(summary, paths, classes, "softmax" if rule.id.startswith("attention") else None),
             "ms/step": measured / 1e3,
             "% of step": measured / 1e3 / step_ms * 100 if step_ms == step_ms and step_ms else math.nan,
             "class": cls,

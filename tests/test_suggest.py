@@ -125,6 +125,9 @@ def test_suggest_on_repo_gpt(gpt_run):
     }
     row = plan.set_index("id").loc["attention_sdpa"]
     assert row["where"] == "transformer.h.*.attn x 2" and row["module_class"] == "CausalSelfAttention"
+    src = (ROOT / "examples" / "gpt_train.py").read_text().splitlines()
+    file, line = row["source"].rsplit(":", 1)
+    assert file.endswith("gpt_train.py") and "softmax" in src[int(line) - 1]  # where the code change starts
     # ranking: known savings, descending
     s = plan["saving ms/step"].tolist()
     assert all(a >= b for a, b in zip(s, s[1:]))
