@@ -209,11 +209,26 @@ def apply(
     def on_root(model) -> None:
         reports.append(kpatch(model, rules=ids, strict=strict, rules_dir=rules_dir))
 
-    after = profile_script(script, list(argv), warmup=int(before.summary.get("warmup") or 3),
-                           steps=int(before.summary.get("steps") or 5), out_root=root,
-                           progress=progress, on_root_module=on_root)
-    for rep in reports:  # RoPE patches a shared module namespace: leave the process as we found it
-        rep.unpatch()
+    def strict_failure() -> KprofError | None:
+        failed = [r for rep in reports for r in rep.records if r.status == "reverted"]
+        if not (strict and failed):
+            return None
+        return KprofError("--strict: " + "; ".join(f"{r.rule} at {r.path or '<model>'} failed verification: "
+                                                   f"{r.verification.summary()}" for r in failed)
+                          + "; run without --strict to keep the original code for these and go on")
+
+    try:
+        after = profile_script(script, list(argv), warmup=int(before.summary.get("warmup") or 3),
+                               steps=int(before.summary.get("steps") or 5), out_root=root,
+                               progress=progress, on_root_module=on_root)
+    except KprofError:
+        err = strict_failure()  # the gate raised inside the script: say so without its traceback
+        if err is not None:
+            raise err from None
+        raise
+    finally:
+        for rep in reports:  # RoPE patches a shared module namespace: leave the process as we found it
+            rep.unpatch()
     if not reports:
         raise KprofError(f"{script} never called an nn.Module, so there was nothing to patch")
     notes = []
@@ -236,9 +251,9 @@ def apply(
         if r.note:
             by_note[(r.rule, r.note)] = by_note.get((r.rule, r.note), 0) + 1
     notes += [f"{rule} ({n} module{'s' if n > 1 else ''}): {note}" for (rule, note), n in by_note.items()]
-    failed = [r for r in recs if r.status == "reverted"]
-    if strict and failed:
-        raise KprofError("--strict: " + "; ".join(f"{r.rule} at {r.path}: {r.verification.summary()}" for r in failed))
+    err = strict_failure()
+    if err is not None:
+        raise err
 
     steps, sugg = compare(before, after, plan, ids, reports)
     losses, agree, tol = compare_losses(before, after, reports)

@@ -62,22 +62,21 @@ def test_apply_end_to_end_on_repo_gpt(tmp_path, wide):
     for word in ("before", "after", "first losses", "verified"):
         assert word in res.output
 
-    # --write: the printed lines patch a fresh model the same way
-    lines = keep.read_text()
-    assert "kprof.patch(model, rules=" in lines
+    # --write: the lines that keep the patches
+    assert f"kprof.patch(model, rules={sorted(planned)!r}"[:20] in keep.read_text()
+
+
+def test_write_lines_patch_a_fresh_model():
     import kprof
+    from kprof.apply import write_lines
+
     if not callable(kprof.patch):
-        pytest.skip("kprof/__init__.py does not export patch() yet (the lead wires it); --write lines unchecked")
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("gpt_for_write", GPT)
-    mod = importlib.util.module_from_spec(spec)
-    import sys
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    model = mod.GPT(mod.GPTConfig(n_layer=1, n_embd=64, n_head=4))
+        pytest.skip("kprof/__init__.py does not export patch() yet (the lead wires it)")
+    lines = write_lines(["layer_norm"], strict=False)
+    model = torch.nn.Sequential(torch.nn.LayerNorm(8))
     ns = {"model": model}
-    exec(lines, ns)
-    assert {r.rule for r in ns["kprof_report"].records} == planned
+    exec(lines, ns)  # what a user pastes into their script
+    assert [(r.rule, r.path) for r in ns["kprof_report"].records] == [("layer_norm", "0")]
     ns["kprof_report"].unpatch()
 
 
@@ -168,3 +167,35 @@ def test_apply_end_to_end_on_hf_llama_gpu(tmp_path):
     assert all(r.status == "verified" for r in recs), [(r.rule, r.path, r.verification and r.verification.summary()) for r in recs]
     assert res.losses_agree is True
     assert torch.cuda.is_available()
+
+
+_BAD_RULE = """
+import torch.nn as nn, torch.nn.functional as F
+from kprof.rules import ProfilePattern, Rule
+
+def match(path, m):
+    return {} if isinstance(m, nn.LayerNorm) else None
+
+def replace(m, p):  # wrong on purpose: weight + 0.1
+    return {"": lambda x: F.layer_norm(x, m.normalized_shape, m.weight + 0.1, m.bias, m.eps)}
+
+RULE = Rule(id="bad_ln", title="a wrong LayerNorm", kernels=(), match=match, replace=replace,
+            profile=ProfilePattern(own_any=("native_layer_norm",)))
+"""
+
+
+def test_apply_reverts_a_wrong_patch_and_strict_fails(tmp_path):
+    root = tmp_path / "runs"
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    (rules / "bad_ln.py").write_text(_BAD_RULE)
+    ln = _script(tmp_path, "ln.py", _TRAIN.format(layers="torch.nn.Linear(16, 16), torch.nn.LayerNorm(16)"))
+    profile_script(str(ln), [], warmup=1, steps=2, out_root=root)
+    with pytest.warns(UserWarning, match="bad_ln at 1 failed verification"):
+        res = apply(str(ln), patch="bad_ln", rules_dir=str(rules), out_root=root)
+    (rec,) = [r for rep in res.reports for r in rep.records]
+    assert rec.status == "reverted" and rec.verification.worst.error > 1e3 * rec.verification.worst.limit
+    assert res.losses["rel diff"].max() == 0.0  # the original code ran: identical losses
+    assert res.suggestions.loc[0, "failed"] == 1
+    with pytest.raises(KprofError, match=r"--strict: bad_ln at 1 failed verification: FAILED .*rel-norm error"):
+        apply(str(ln), patch="bad_ln", rules_dir=str(rules), out_root=root, strict=True)
