@@ -193,4 +193,4 @@ def _records(df: pd.DataFrame | None) -> list[dict]:
     if df is None:
         return []
     unnamed_index = all(n is None for n in df.index.names)
-    return store._jsonable(df.reset_index(drop=unnamed_index).to_dict(orient="records"))
+    return store.jsonable(df.reset_index(drop=unnamed_index).to_dict(orient="records"))

@@ -112,7 +112,7 @@ def save_run(
             _gzip_copy(Path(trace_path), tmp / TRACE)
         # summary.json last: its presence marks a complete run (see load_summary).
         with open(tmp / SUMMARY, "w") as f:
-            json.dump(_jsonable(summary), f, indent=1, allow_nan=False)
+            json.dump(jsonable(summary), f, indent=1, allow_nan=False)
         final = _rename_free(tmp, root, base)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -162,7 +162,7 @@ def _write_ops(ops: pd.DataFrame, path: Path) -> None:
             arrays[col] = pa.array(df[col], from_pandas=True)
         except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
             json_cols.append(col)
-            arrays[col] = pa.array([json.dumps(_jsonable(v)) for v in df[col]], type=pa.string())
+            arrays[col] = pa.array([json.dumps(jsonable(v)) for v in df[col]], type=pa.string())
     table = pa.table(arrays) if arrays else pa.table({})
     meta = dict(table.schema.metadata or {})
     meta[_JSON_COLUMNS_KEY] = json.dumps(json_cols).encode()
@@ -181,7 +181,7 @@ def _gzip_copy(src: Path, dst: Path) -> None:
         shutil.copyfileobj(fi, fo, length=1 << 20)
 
 
-def _jsonable(v: Any) -> Any:
+def jsonable(v: Any) -> Any:
     """Plain JSON types: numpy scalars/arrays to Python, NaN/inf to None, Paths to str."""
     if v is None or isinstance(v, (bool, str)):
         return v
@@ -190,13 +190,13 @@ def _jsonable(v: Any) -> Any:
     if isinstance(v, float):
         return v if math.isfinite(v) else None
     if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
+        return {str(k): jsonable(x) for k, x in v.items()}
     if isinstance(v, (list, tuple, set)):
-        return [_jsonable(x) for x in v]
+        return [jsonable(x) for x in v]
     if isinstance(v, os.PathLike):
         return os.fspath(v)
     if hasattr(v, "tolist"):  # numpy scalar or array, torch tensor
-        return _jsonable(v.tolist())
+        return jsonable(v.tolist())
     if hasattr(v, "isoformat"):
         return v.isoformat()
     return str(v)
