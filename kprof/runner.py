@@ -355,6 +355,7 @@ class _Session:
         self._undo: list[Callable[[], None]] = []
         self._module_hooks: list[Any] = []
         self._root_hook: Any = None
+        self.dynamo_baseline = _dynamo_count()  # see _dynamo_used
 
     # ------------------------------------------------------------------ run
     def run(self) -> RawRun:
@@ -493,7 +494,7 @@ class _Session:
         self.quiet = quiet
         if quiet:
             self._close_all_ranges()
-            if not _dynamo_used():
+            if not _dynamo_used(self.dynamo_baseline):
                 self._remove_module_hooks()
                 if self.mode == "forward" and self.primary_called is not None:
                     self._root_hook = self.primary_called.register_forward_pre_hook(self._quiet_root_hook)
@@ -1032,16 +1033,30 @@ class _Session:
         )
 
 
-def _dynamo_used() -> bool:
-    """Whether torch.compile/Dynamo has compiled any frame in this process."""
+def _dynamo_count() -> int | None:
+    """Dynamo's process-wide count of compiled graphs + frames (0 if never imported, None if its
+    internals moved)."""
     if "torch._dynamo" not in sys.modules:
-        return False
+        return 0
     try:
         from torch._dynamo.utils import counters
 
-        return bool(counters["stats"]["unique_graphs"]) or bool(sum(counters["frames"].values()))
-    except Exception:  # internals moved: assume compiled, keep the hooks (always correct)
+        return int(counters["stats"]["unique_graphs"]) + int(sum(counters["frames"].values()))
+    except Exception:
+        return None
+
+
+def _dynamo_used(baseline: int | None = 0) -> bool:
+    """Whether torch.compile/Dynamo compiled any frame since `baseline` (a `_dynamo_count()`).
+
+    Relative to the session's start: code compiled before kprof installed its hooks was compiled
+    with no global hooks, the state removing them returns to, so it does not recompile; only
+    what the script compiled under kprof's hooks would. (Absolute counts also broke the timed
+    phase of every run after any compile in the same process, e.g. in a test worker.)"""
+    now = _dynamo_count()
+    if now is None or baseline is None:  # internals moved: assume compiled, keep the hooks (always correct)
         return True
+    return now > baseline
 
 
 def _count_tokens(args: tuple, kwargs: dict) -> int:

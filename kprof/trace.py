@@ -11,10 +11,13 @@ The runner (kprof/runner.py) emits the names this module parses:
 
 Which level of the op tree carries the time:
 - GPU trace: each kernel (and memcpy/memset) belongs to the innermost op enclosing its launch
-  (the `cudaLaunchKernel`/`cuLaunchKernel`/... runtime event with the same `correlation` arg), so
+  (the host event with the same `correlation` arg, whatever its name: cudaLaunchKernel,
+  cuLaunchKernelEx, cudaMemcpyAsync, ...), so
   an op's device time is the summed duration of the kernels it launched itself. Kernels launched
   outside any op (Triton kernels called straight from Python, NCCL) keep the module/phase of the
-  range around their launch and take the kernel name as their op; nothing is dropped.
+  range around their launch and take the kernel name as their op. Device activity launched
+  before the recording started (the previous step's tail, still running on the device) is not
+  part of any step: see `_device_steps`.
 - CPU-only trace (no device activity at all): every op's self CPU time (its duration minus that
   of the ops nested directly in it), so nothing is counted twice.
 
@@ -49,7 +52,6 @@ UNATTRIBUTED = "<unattributed>"
 # Chrome-trace categories written by Kineto (torch/csrc/profiler/kineto_shim.cpp and
 # libkineto's ActivityType names): device activity, and the host-side calls that launch it.
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
 # Host ranges that are not part of the host nesting tree (they live on device timelines).
 SKIP_CATS = ("gpu_user_annotation", "ac2g", "Trace", "overhead")
 
@@ -278,11 +280,14 @@ def _device_table(dev: pd.DataFrame, host: pd.DataFrame, t0: int) -> pd.DataFram
     dev["device"] = _arg(args, "device").fillna(dev["pid"])
     dev["launch"] = -1
     if len(host):
-        hcat = host["cat"].astype(str)
-        rt = host[hcat.isin(RUNTIME_CATS)]
-        corr = pd.to_numeric(_arg(rt["args"], "correlation"), errors="coerce")
-        by_corr = pd.Series(rt.index.to_numpy(), index=corr.to_numpy())
-        by_corr = by_corr[~by_corr.index.isna() & ~by_corr.index.duplicated(keep="first")]
+        # Any host event carrying a `correlation` arg is a launch, whatever its name or category:
+        # cudaLaunchKernel (cuda_runtime), cuLaunchKernelEx / cuLaunchKernel (cuda_driver: how
+        # cuBLAS' nvjet and cuDNN's SDPA kernels are launched under CUDA 13), cudaMemcpyAsync,
+        # cudaLaunchCooperativeKernel... A name allow-list misses the next one CUDA adds.
+        corr = pd.to_numeric(_arg(host["args"], "correlation"), errors="coerce")
+        rt = corr[corr.notna() & ~host["is_op"].to_numpy()]
+        by_corr = pd.Series(rt.index.to_numpy(), index=rt.to_numpy())
+        by_corr = by_corr[~by_corr.index.duplicated(keep="first")]
         launch = dev["correlation"].map(by_corr)
         # No runtime event (runtime activity not recorded): fall back on the External id, which
         # Kineto sets to the id of the op that was current at the launch.
@@ -329,6 +334,42 @@ def _step_of(ns: np.ndarray, steps: pd.DataFrame) -> np.ndarray:
     return np.where(ok, steps["step"].to_numpy()[np.clip(pos, 0, None)], -1)
 
 
+def _device_steps(events: TraceEvents) -> np.ndarray:
+    """Recorded step of each device activity (-1: none), by when it was launched.
+
+    Linked activity (its launch event is in the trace): the step whose host window contains the
+    launch. Unlinked activity: on a GPU the host runs ahead, so when the profiler starts
+    recording, the device is still executing the previous (unrecorded) step's kernels: they
+    appear in the trace, inside step 0's window by device time, with no launch event (measured on
+    an H200, Llama 1B: 844 such kernels, 47 ms, the whole backward + AdamW of the profiler
+    warm-up step, all landing in step 0). Their CUPTI correlation ids, which grow with every
+    launch in the process, place them: an unlinked activity takes the step of the linked one
+    with the nearest lower correlation id, and none (-1) if every linked activity came later
+    (launched before the recording). Only without any linked activity or correlation id does
+    the device start time decide.
+    """
+    d = events.device
+    if d.empty:
+        return np.zeros(0, np.int64)
+    host = events.host
+    launch = d["launch"].to_numpy()
+    linked = launch >= 0
+    hl = np.clip(launch, 0, None)
+    launch_ns = host["start_ns"].to_numpy()[hl] if len(host) else np.zeros(len(d), np.int64)
+    step = np.where(linked, _step_of(np.where(linked, launch_ns, 0), events.steps),
+                    _step_of(d["start_ns"].to_numpy(), events.steps))
+    corr = pd.to_numeric(d["correlation"], errors="coerce").to_numpy(dtype=float)
+    ref = linked & ~np.isnan(corr)
+    if ref.any():
+        order = np.argsort(corr[ref], kind="stable")
+        ref_corr = corr[ref][order]
+        ref_step = step[ref][order]
+        todo = ~linked & ~np.isnan(corr)
+        pos = np.searchsorted(ref_corr, corr[todo], side="right") - 1
+        step[todo] = np.where(pos >= 0, ref_step[np.clip(pos, 0, None)], -1)
+    return step
+
+
 def step_windows(events: TraceEvents) -> pd.DataFrame:
     """Per recorded step: the host window and the device window.
 
@@ -368,11 +409,7 @@ def kernel_table(events: TraceEvents) -> pd.DataFrame:
     """
     if events.device_type == "cuda":
         d = events.device
-        host = events.host
-        launch = d["launch"].to_numpy()
-        when = np.where(launch >= 0, host["start_ns"].to_numpy()[np.clip(launch, 0, None)] if len(host) else 0,
-                        d["start_ns"].to_numpy())
-        out = pd.DataFrame({"step": _step_of(when, events.steps), "name": d["name"].to_numpy(),
+        out = pd.DataFrame({"step": _device_steps(events), "name": d["name"].to_numpy(),
                             "ts (us)": d["ts (us)"].to_numpy(), "dur (us)": d["dur (us)"].to_numpy(),
                             "stream": d["stream"].to_numpy()})
     else:
@@ -559,9 +596,8 @@ def _gpu_rows(events: TraceEvents, names: np.ndarray) -> pd.DataFrame:
     # The runtime event's innermost enclosing op; if the launch row is itself an op (External id
     # fallback) use it; if it has no op, keep the launch row for its module/phase context.
     owner = np.where(launch < 0, -1, np.where(is_op[hl], hl, np.where(op_parent[hl] >= 0, op_parent[hl], hl)))
-    when = np.where(launch >= 0, host["start_ns"].to_numpy()[hl], d["start_ns"].to_numpy())
     d["owner"] = owner
-    d["step"] = _step_of(when, events.steps)
+    d["step"] = _device_steps(events)
     d = d[d["step"] >= 0]
     if d.empty:
         return pd.DataFrame()

@@ -56,10 +56,17 @@ def record(root: nn.Module, step: Callable[[], None], steps: int, path: str | os
     write the Chrome trace to `path` (gzipped if it ends in .gz)."""
     for _ in range(warmup):
         step()
-    with module_ranges(root), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    # CUDA activity too when the model is on a GPU: without it a GPU trace has no kernels and
+    # reads as a CPU-only trace.
+    activities = [ProfilerActivity.CPU]
+    if any(p.is_cuda for p in root.parameters()):
+        activities.append(ProfilerActivity.CUDA)
+    with module_ranges(root), profile(activities=activities, record_shapes=True) as prof:
         for n in range(steps):
             with record_function(f"kprof.step#{n}"):
                 step()
+        if ProfilerActivity.CUDA in activities:
+            torch.cuda.synchronize()  # the last step's kernels complete inside the recording
     path = str(path)
     if path.endswith(".gz"):
         with tempfile.TemporaryDirectory() as d:

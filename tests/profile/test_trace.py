@@ -206,7 +206,8 @@ def synthetic_gpu_trace() -> dict:
         _kernel("gemm_dgrad", 60, 8, 3),
         _kernel("gemm_wgrad", 68, 12, 4, stream=8),
         _kernel("multi_tensor_apply_kernel", 95, 10, 5),  # launched in step 0, ends after it
-        _kernel("ncclDevKernel_AllReduce_Sum_bf16", 82, 6, 99, stream=9),
+        # correlation ids are handed out in launch order, process-wide: 6 follows step 0's 5
+        _kernel("ncclDevKernel_AllReduce_Sum_bf16", 82, 6, 6, stream=9),
         # step 1
         _x("kprof.module::Net", "user_annotation", 101, 40),
         _x("kprof.module:fc:Linear", "user_annotation", 102, 20),
@@ -243,7 +244,7 @@ def test_gpu_kernels_belong_to_innermost_launching_op(gpu_events):
     assert (tri["phase"], tri["device_time (us)"], tri["op_id"]) == ("fwd", 5.0, -1)
     opt = key.loc[(0, "aten::_foreach_add_", trace.OPTIMIZER)]
     assert (opt["phase"], opt["device_time (us)"]) == ("optim", 10.0)
-    # No launch event: still in the table, unattributed, stepped by its own time.
+    # No launch event: still in the table, unattributed, stepped by its correlation id.
     nccl = key.loc[(0, "ncclDevKernel_AllReduce_Sum_bf16", trace.UNATTRIBUTED)]
     assert nccl["device_time (us)"] == 6.0
     # aten::linear launched nothing itself: not a row; addmm's parent is not a row either.
@@ -277,6 +278,48 @@ def test_gpu_trace_kernel_without_runtime_event_uses_external_id(tmp_path):
     ops = trace.op_table(trace.load_trace(p))
     row = ops[ops["kernel"] == "sm90_xmma_gemm_bf16"].iloc[0]
     assert (row["op"], row["module"], row["step"]) == ("aten::addmm", "fc", 0)
+
+
+def _with_events(tmp_path, extra: list, drop=lambda e: False) -> trace.TraceEvents:
+    t = synthetic_gpu_trace()
+    t["traceEvents"] = [e for e in t["traceEvents"] if not drop(e)] + extra
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(t))
+    return trace.load_trace(p)
+
+
+@pytest.mark.parametrize("name,cat", [
+    ("cuLaunchKernelEx", "cuda_driver"),  # cuBLAS nvjet / cuDNN SDPA kernels under CUDA 13
+    ("cudaLaunchKernelExC", "cuda_runtime"),
+    ("cudaSomeFutureLaunch", "some_new_category"),  # any host event with a correlation arg
+])
+def test_gpu_any_event_with_a_correlation_links_its_kernel(tmp_path, name, cat):
+    # The backward aten::mm's second kernel (corr 4) launched by a differently named event.
+    ev = _with_events(tmp_path, [_launch(50, 4, tid=2, name=name, cat=cat)],
+                      drop=lambda e: e.get("args", {}).get("correlation") == 4 and e["cat"] != "kernel")
+    ops = trace.op_table(ev)
+    bwd = ops.set_index(["step", "op", "module"]).loc[(0, "aten::mm", "fc")]
+    assert (bwd["phase"], bwd["n_kernels"], bwd["device_time (us)"]) == ("bwd", 2, 20.0)
+    assert trace.UNATTRIBUTED not in set(ops.loc[ops["kernel"] == "gemm_wgrad", "module"])
+
+
+def test_gpu_kernels_launched_before_the_recording_are_in_no_step(tmp_path):
+    """When recording starts, the GPU still runs the previous step's kernels (the host is ahead):
+    they are in the trace, inside step 0's window by device time, without launch events. Their
+    correlation ids are lower than every recorded launch's: no step, not unattributed time."""
+    prev = [_kernel("prev_step_wgrad", 1, 4, 0), _kernel("prev_step_multi_tensor_apply", 5, 3, 0)]
+    ev = _with_events(tmp_path, prev)
+    ops = trace.op_table(ev)
+    assert not ops["kernel"].str.startswith("prev_step").any()
+    assert ops["device_time (us)"].sum() == 30 + 5 + 8 + 12 + 10 + 6 + 20
+    k = trace.kernel_table(ev)
+    assert list(k.groupby("step").size()) == [6, 1]
+    w = trace.step_windows(ev).set_index("step")
+    assert w.loc[0, "device start (us)"] == 10.0
+    # An unlinked kernel launched between two recorded launches belongs to their step.
+    ev = _with_events(tmp_path, [_kernel("unlinked_mid_step", 96, 2, 12)])
+    row = trace.op_table(ev).set_index("kernel").loc["unlinked_mid_step"]
+    assert (row["step"], row["module"]) == (1, trace.UNATTRIBUTED)
 
 
 # ----------------------------------------------------------------------------------------------
