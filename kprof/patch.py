@@ -24,6 +24,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
+import torch
 import torch.nn as nn
 
 from kprof.errors import KprofError
@@ -68,7 +69,10 @@ class _Unit:
             self.saved.append((tgt, match.attr, tgt.__dict__.get(match.attr, _MISSING)))
         self.busy = False
         if verify:
-            setattr(tgt, match.attr, self._gate)
+            # Verification runs eagerly even when the first call happens inside a torch.compile'd
+            # model (Dynamo would otherwise trace autograd.grad and the RNG forks); once installed,
+            # the patched forwards are plain functions over custom ops that Dynamo traces.
+            setattr(tgt, match.attr, torch.compiler.disable(self._gate))
             record.status = "pending"
         else:
             self._install()
@@ -231,7 +235,7 @@ def patch(
     chosen = resolve_rules(rules, rules_dir)
     report = PatchReport()
     for r in chosen:
-        if not r.applyable:
+        if not r.applyable and (r.missing_kernels() or rules not in (None, "all")):
             why = (f"kernel(s) {', '.join(r.missing_kernels())} not in this kprof install" if r.missing_kernels()
                    else f"apply can't do this one; code change: {r.code_change}")
             report.skipped.append((r.id, why))

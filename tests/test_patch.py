@@ -284,3 +284,17 @@ def test_patched_model_under_torch_compile_gpu():
     with torch.no_grad():
         torch.testing.assert_close(loss, _loss("llama", ref, x), rtol=2e-5, atol=1e-5)
     report.unpatch()
+
+
+def test_first_call_inside_torch_compile_verifies_eagerly():
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    model = copy.deepcopy(ref)
+    report = kprof_patch(model)
+    compiled = torch.compile(model)  # the kernels are custom ops: Dynamo keeps them as calls
+    x = torch.randn(3, 16, requires_grad=True)
+    y = compiled(x)
+    y.sum().backward()
+    assert [(r.rule, r.status) for r in report.records] == [("layer_norm", "verified")]
+    torch.testing.assert_close(compiled(x), ref(x), rtol=2e-5, atol=1e-5)  # fp32 row of TOLERANCE
+    report.unpatch()
