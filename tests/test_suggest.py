@@ -13,7 +13,7 @@ import typer
 from typer.testing import CliRunner
 
 from kprof.kernels.registry import Cost
-from kprof.rules import RULES, ProfilePattern
+from kprof.rules import RULES
 from kprof.suggest import (PLAN, evidence_ops, group_paths, load_plan, match_pattern, module_table, roofline_us,
                            save_plan, suggest)
 
