@@ -338,6 +338,7 @@ def _ce_fwd_launch(
     z_loss: float,
     softcap: float,
     config: CEConfig | None = None,
+    check_targets: bool = True,
 ) -> None:
     """Write per-row losses into `loss_rows` and, if `grad` is given, d loss / d logits (times
     `grad_scale`, fp32, one value or one per row) into `grad`, which may be `logits` itself.
@@ -346,7 +347,8 @@ def _ce_fwd_launch(
     if n_rows == 0:
         return
     target = target.contiguous()  # the kernel reads target[row] at unit stride
-    _check_target_values(target, n_cols, ignore_index)
+    if check_targets:  # linear_cross_entropy checks all targets once, not per chunk
+        _check_target_values(target, n_cols, ignore_index)
     cfg = config or CEConfig.for_problem(n_rows, n_cols, logits.dtype, logits.device)
     compute_grad = grad is not None
     g = grad if compute_grad else logits  # unused pointer when not computing the grad

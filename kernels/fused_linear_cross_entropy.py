@@ -151,7 +151,7 @@ def _lce_launch(
         scale = grad_scale[c0:c1] if per_row_scale else grad_scale
         _ce_fwd_launch(
             logits, target[c0:c1], logits if any_grad else None, loss_rows[c0:c1], scale,
-            ignore_index, label_smoothing, z_loss, softcap,
+            ignore_index, label_smoothing, z_loss, softcap, check_targets=False,
         )
         # `logits` now holds d loss / d logits for the chunk.
         if gh is not None:

@@ -199,5 +199,38 @@ def sweep_ce_configs(n: int = _N, v: int = _V, dtype: torch.dtype = torch.bfloat
     return rows
 
 
+
+
+def sweep_lce_chunks(chunks=(256, 384, 512, 768, 1024, 2048), accum_dtypes=(None, torch.float32)) -> list[dict]:
+    """Time kprof's linear + CE forward+backward (grad_output = 1) and its peak extra memory over
+    chunk sizes and grad_W accumulation dtypes at the issue's shape. `python -m benchmarks.cases.loss`.
+
+    `chunk_rows` defaults to 512 (1024 with fp32 accumulation) from napkin math; this measures it.
+    """
+    import triton.testing
+
+    inputs = _lce_inputs("cuda", torch.bfloat16)
+    leaves = [inputs["hidden"], inputs["weight"]]
+    rows = []
+    for acc in accum_dtypes:
+        for c in chunks:
+            def step():
+                _lce.linear_cross_entropy(**inputs, chunk_size=c, accum_dtype=acc).backward()
+
+            for t in leaves:
+                t.grad = None
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            step()
+            torch.cuda.synchronize()
+            extra = torch.cuda.max_memory_allocated() - base
+            ms = triton.testing.do_bench(step, warmup=3, rep=30, grad_to_none=leaves, return_mode="median")
+            rows.append({"chunk": c, "accum": str(acc), "ms": ms, "extra_gb": extra / 1e9})
+            print(f"chunk={c:5d} accum={str(acc):14s} {ms:7.2f} ms  extra {extra / 1e9:.2f} GB", flush=True)
+    return rows
+
+
 if __name__ == "__main__":
     sweep_ce_configs()
+    sweep_lce_chunks()
