@@ -26,6 +26,7 @@ The backward has the same two regimes (pass 1: sum(y * dy); pass 2: dx).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -35,7 +36,7 @@ import triton
 import triton.language as tl
 
 from kprof.errors import KprofError
-from kprof.kernels._common import use_triton, warn_fallback
+from kprof.kernels._common import use_triton, via_custom_op, warn_fallback
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -196,8 +197,9 @@ LOOP_BLOCK = 4096
 
 @dataclass(frozen=True)
 class SoftmaxConfig:
-    """Launch parameters. First guesses from the register budget above, not yet swept on the
-    H200 (the lead's benchmark run is the place to tune num_warps)."""
+    """Launch parameters. First guesses from the register budget above; on the H200 (2026-11-29)
+    the in-register kernels ran at 130 us fwd / 186 us bwd for 16384x8192 bf16, at the 126 / 189
+    us copy floor, so they were kept."""
 
     block_n: int
     rows: int  # rows per program (in-register path); 1 when looped
@@ -205,7 +207,9 @@ class SoftmaxConfig:
     looped: bool
 
     @staticmethod
+    @functools.lru_cache(maxsize=None)
     def for_cols(n_cols: int) -> "SoftmaxConfig":
+        # Cached: built once per width, not per call (the eager path is host-bound on the H200).
         if n_cols > MAX_FUSED_COLS:
             return SoftmaxConfig(block_n=LOOP_BLOCK, rows=1, num_warps=8, looped=True)
         block_n = triton.next_power_of_2(max(n_cols, 1))
@@ -216,80 +220,104 @@ class SoftmaxConfig:
         return SoftmaxConfig(block_n=block_n, rows=rows, num_warps=num_warps, looped=False)
 
 
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    """[..., N] -> [M, N] with unit column stride; a view when the layout allows, else a copy."""
-    t2 = t.reshape(-1, t.shape[-1])
-    if t2.shape[-1] > 1 and t2.stride(-1) != 1:
+def _rows(t: torch.Tensor, n_rows: int, n_cols: int) -> tuple[torch.Tensor, int]:
+    """`t` ([..., N]) as rows for the kernels: (tensor, row stride), unit column stride.
+
+    A contiguous tensor is passed as it is (the kernels only take its data pointer), so the
+    common case costs no aten op; other layouts go through reshape (a view when the leading
+    dims merge) and, if the column stride is not 1, a copy.
+    """
+    if t.is_contiguous():
+        return t, n_cols
+    t2 = t.reshape(n_rows, n_cols)
+    if n_cols > 1 and t2.stride(1) != 1:
         t2 = t2.contiguous()
-    return t2
+    return t2, t2.stride(0)
 
 
 def _mask_layout(mask: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """Broadcast `mask` to `shape` without copying and describe it for the kernel.
+    """Describe `mask` broadcast to `shape` for the kernel, from its shape and strides alone.
 
-    Returns (uint8 view, (size1, size2, stride0, stride1, stride2, stride_col)): x's leading dims
-    collapsed to at most three (i0, i1, i2) with the mask's broadcast strides (0 on broadcast dims).
-    Leading dims merge when the mask is contiguous across them or both are broadcast; a mask that
-    still needs more than three is materialized (one copy; only exotic layouts need it).
+    Returns (mask, (size1, size2, stride0, stride1, stride2, stride_col)): x's leading dims
+    collapsed to at most three (i0, i1, i2) with the mask's broadcast strides (0 on broadcast
+    dims). Leading dims merge when the mask is contiguous across them or both are broadcast; a
+    mask that still needs more than three is materialized (one copy; only exotic layouts need it).
+    The bool tensor itself is passed (Triton loads `*i1` as bytes), so no view or expand runs.
     """
-    m = mask.expand(shape)
-    dims = [(size, stride) for size, stride in zip(m.shape[:-1], m.stride()[:-1]) if size != 1]
+    pad = len(shape) - mask.dim()
+    m_shape, m_stride = mask.shape, mask.stride()
+    # Broadcast strides of mask.expand(shape), computed without calling expand.
+    strides = [0] * pad + [m_stride[i] if m_shape[i] != 1 else 0 for i in range(mask.dim())]
     merged: list[tuple[int, int]] = []
-    for size, stride in dims:
+    for size, stride in zip(shape[:-1], strides[:-1]):
+        if size == 1:
+            continue
         if merged and merged[-1][1] == stride * size:
             merged[-1] = (merged[-1][0] * size, stride)
         else:
             merged.append((size, stride))
     if len(merged) > 3:
-        m = m.contiguous()
-        n_rows = m.numel() // shape[-1]
-        merged = [(n_rows, shape[-1])]
+        mask = mask.expand(shape).contiguous()
+        merged = [(mask.numel() // shape[-1], shape[-1])]
+        strides[-1] = 1
     merged = [(1, 0)] * (3 - len(merged)) + merged
     (_, s0), (z1, s1), (z2, s2) = merged
-    return m.view(torch.uint8), (z1, z2, s0, s1, s2, m.stride(-1))
+    return mask, (z1, z2, s0, s1, s2, strides[-1])
+
+
+_NO_MASK = (1, 1, 0, 0, 0, 0)
 
 
 def _softmax_fwd(x: torch.Tensor, mask: Optional[torch.Tensor], scale: float, causal: bool) -> torch.Tensor:
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if x.numel() == 0:
+    # Host work per call is one torch.empty and one launch for contiguous x (each aten op is
+    # ~12 us and a launch ~24 us of host time on the H200 machine, where this path is host-bound).
+    shape = x.shape
+    y = torch.empty(shape, dtype=x.dtype, device=x.device)
+    n_cols = shape[-1]
+    n = x.numel()
+    if n == 0:
         return y
-    n_cols = x.shape[-1]
-    x2 = _as_rows(x)
-    y2 = y.view(-1, n_cols)
-    n_rows = x2.shape[0]
+    n_rows = n // n_cols
+    x2, x_rs = _rows(x, n_rows, n_cols)
     if mask is not None:
-        mask_u8, (z1, z2, s0, s1, s2, sc) = _mask_layout(mask, x.shape)
+        mask_t, (z1, z2, s0, s1, s2, sc) = _mask_layout(mask, shape)
     else:
-        mask_u8, (z1, z2, s0, s1, s2, sc) = x2, (1, 1, 0, 0, 0, 0)  # unused pointer
-    q_len = x.shape[-2] if x.dim() >= 2 else 1
+        mask_t, (z1, z2, s0, s1, s2, sc) = x2, _NO_MASK  # unused pointer
+    q_len = shape[-2] if len(shape) >= 2 else 1
     cfg = SoftmaxConfig.for_cols(n_cols)
-    common = (x2, y2, mask_u8, n_rows, n_cols, x2.stride(0), y2.stride(0), scale, z1, z2, s0, s1, s2, sc, q_len)
     if cfg.looped:
         _softmax_fwd_looped_kernel[(n_rows,)](
-            *common, BLOCK_N=cfg.block_n, HAS_MASK=mask is not None, CAUSAL=causal, num_warps=cfg.num_warps
+            x2, y, mask_t, n_rows, n_cols, x_rs, n_cols, scale, z1, z2, s0, s1, s2, sc, q_len,
+            BLOCK_N=cfg.block_n, HAS_MASK=mask is not None, CAUSAL=causal, num_warps=cfg.num_warps,
         )
     else:
         _softmax_fwd_rows_kernel[(triton.cdiv(n_rows, cfg.rows),)](
-            *common, ROWS=cfg.rows, BLOCK_N=cfg.block_n, HAS_MASK=mask is not None, CAUSAL=causal,
+            x2, y, mask_t, n_rows, n_cols, x_rs, n_cols, scale, z1, z2, s0, s1, s2, sc, q_len,
+            ROWS=cfg.rows, BLOCK_N=cfg.block_n, HAS_MASK=mask is not None, CAUSAL=causal,
             num_warps=cfg.num_warps,
         )
     return y
 
 
 def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, scale: float) -> torch.Tensor:
-    dx = torch.empty(y.shape, dtype=y.dtype, device=y.device)
-    if y.numel() == 0:
+    shape = y.shape
+    dx = torch.empty(shape, dtype=y.dtype, device=y.device)
+    n_cols = shape[-1]
+    n = y.numel()
+    if n == 0:
         return dx
-    n_cols = y.shape[-1]
-    y2, dy2, dx2 = _as_rows(y), _as_rows(dy), dx.view(-1, n_cols)
-    n_rows = y2.shape[0]
+    n_rows = n // n_cols
+    y2, y_rs = _rows(y, n_rows, n_cols)
+    dy2, dy_rs = _rows(dy, n_rows, n_cols)  # a copy only for odd grads (e.g. stride 0 from .sum())
     cfg = SoftmaxConfig.for_cols(n_cols)
-    common = (y2, dy2, dx2, n_rows, n_cols, y2.stride(0), dy2.stride(0), dx2.stride(0), scale)
     if cfg.looped:
-        _softmax_bwd_looped_kernel[(n_rows,)](*common, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
+        _softmax_bwd_looped_kernel[(n_rows,)](
+            y2, dy2, dx, n_rows, n_cols, y_rs, dy_rs, n_cols, scale, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps
+        )
     else:
         _softmax_bwd_rows_kernel[(triton.cdiv(n_rows, cfg.rows),)](
-            *common, ROWS=cfg.rows, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps
+            y2, dy2, dx, n_rows, n_cols, y_rs, dy_rs, n_cols, scale,
+            ROWS=cfg.rows, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         )
     return dx
 
@@ -327,7 +355,8 @@ def _(y, dy, scale):
 class SoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mask, scale, causal):
-        y = softmax_fwd_op(x, mask, scale, causal)
+        # Direct launch in eager mode; the custom op only under compile or a profiler (see via_custom_op).
+        y = softmax_fwd_op(x, mask, scale, causal) if via_custom_op() else _softmax_fwd(x, mask, scale, causal)
         ctx.save_for_backward(y)
         ctx.scale = scale
         return y
@@ -335,7 +364,8 @@ class SoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
-        return softmax_bwd_op(y, dy, ctx.scale), None, None, None
+        dx = softmax_bwd_op(y, dy, ctx.scale) if via_custom_op() else _softmax_bwd(y, dy, ctx.scale)
+        return dx, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,12 +388,12 @@ def _check(x: torch.Tensor, mask: Optional[torch.Tensor], causal: bool) -> None:
             )
         if mask.device != x.device:
             raise KprofError(f"softmax: mask is on {mask.device} but x is on {x.device}; move them to one device")
-        try:
-            mask.expand(x.shape)  # broadcastable to x without growing it
-        except RuntimeError:
+        # Broadcastable to x without growing it; checked on Python ints (mask.expand would be an op).
+        ms, xs = mask.shape, x.shape
+        if len(ms) > len(xs) or any(m != 1 and m != s for m, s in zip(reversed(ms), reversed(xs))):
             raise KprofError(
-                f"softmax: mask of shape {tuple(mask.shape)} does not broadcast to x of shape {tuple(x.shape)}"
-            ) from None
+                f"softmax: mask of shape {tuple(ms)} does not broadcast to x of shape {tuple(xs)}"
+            )
 
 
 def softmax(
