@@ -203,6 +203,9 @@ def apply(
         save_plan(before, suggest(before, all_rules(rules_dir)))
         plan = load_plan(before)
     ids = parse_ids(patch, plan)
+    from kprof.patch import resolve_rules
+
+    resolve_rules(ids, rules_dir)  # a plan made with --rules DIR needs the same DIR here: fail before running
 
     reports = []
 
