@@ -205,7 +205,10 @@ def apply(
     ids = parse_ids(patch, plan)
     from kprof.patch import resolve_rules
 
-    resolve_rules(ids, rules_dir)  # a plan made with --rules DIR needs the same DIR here: fail before running
+    try:  # a plan made with --rules DIR needs the same DIR here: fail before running the script
+        resolve_rules(ids, rules_dir)
+    except KprofError as e:
+        raise KprofError(f"{e}; if the plan was made with --rules DIR, pass the same --rules DIR to apply") from None
 
     reports = []
 
