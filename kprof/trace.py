@@ -477,6 +477,99 @@ def _shape_dtypes(host: pd.DataFrame) -> dict:
     return out
 
 
+# Fused optimizers: (TensorList arguments that hold one tensor per parameter, shaped like it;
+# the 0-d per-parameter step counts; the amsgrad-only list). Schema order of
+# aten::_fused_adam(w)_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, ...)
+# and aten::_fused_sgd_(params, grads, momentum_buffer_list, ...).
+_FUSED_OPTIMIZER_LISTS = {"_fused_adam_": ((0, 1, 2, 3), 5, 4), "_fused_adamw_": ((0, 1, 2, 3), 5, 4),
+                          "_fused_sgd_": ((0, 1), None, None)}
+
+
+def _contiguous(shape: list) -> list:
+    st, acc = [], 1
+    for n in reversed(shape):
+        st.append(acc)
+        acc *= max(int(n), 1)
+    return st[::-1]
+
+
+def _fill_truncated_optimizer_lists(rows: pd.DataFrame, events: TraceEvents) -> None:
+    """Give a fused optimizer call its parameter shapes when the profiler dropped them.
+
+    The profiler records no shapes for a TensorList longer than 30 tensors (`Input Dims` [] per
+    list: any model past a toy; the H200 Llama-1B run's _fused_adamw_ over 75 parameters cost
+    6 ms/step with no shapes). The parameters it updates are those that received a gradient in
+    the step: one `torch::autograd::AccumulateGrad` per parameter per backward pass, with the
+    gradient's shape and dtype. With k forward calls of the root module in the step (gradient
+    accumulation), each parameter appears k times: the counts are divided by k, and the lists
+    are left empty (cost unknown) if they are not all multiples of k. Only filled when one call
+    of that op has truncated lists in the step (more calls: param groups, whose split is not
+    in the trace), minus the parameters of that op's calls whose lists were recorded.
+    SGD's momentum buffer list is not filled (it is empty without momentum): its bytes are left out.
+    """
+    ops = rows["op"].astype(str).str.replace("aten::", "", regex=False)
+    cand = ops.isin(list(_FUSED_OPTIMIZER_LISTS)) & (rows["phase"] == "optim")
+    if not cand.any():
+        return
+    host = events.host
+    names = host["name"].astype(str)
+    acc = host[names == "torch::autograd::AccumulateGrad"]
+    acc_step = _step_of(acc["start_ns"].to_numpy(), events.steps)
+    root = host[names.str.startswith(MODULE_PREFIX + ":")]
+    root_calls = pd.Series(_step_of(root["start_ns"].to_numpy(), events.steps)).value_counts()
+
+    def truncated(r) -> bool:
+        lists = [d for d, t in zip(r["input_shapes"], r["input_types"]) if t == "TensorList"]
+        return bool(lists) and all(not d for d in lists)
+
+    for (step, op), idx in rows[cand].groupby([rows.loc[cand, "step"], ops[cand]]).groups.items():
+        bad = [i for i in idx if truncated(rows.loc[i])]
+        if len(bad) != 1:
+            continue
+        grads: dict[tuple, int] = {}
+        for s, a in zip(acc_step, acc["args"]):
+            dims, types = a.get("Input Dims") or [], a.get("Input type") or []
+            if s == step and dims and types and types[0] in TRACE_DTYPES:
+                key = (tuple(dims[0]), TRACE_DTYPES[types[0]])
+                grads[key] = grads.get(key, 0) + 1
+        k = int(root_calls.get(step, 1)) or 1
+        if not grads or any(n % k for n in grads.values()):
+            continue
+        params = {key: n // k for key, n in grads.items()}
+        for i in idx:  # calls whose lists were recorded update other parameters
+            if i in bad:
+                continue
+            d, t = rows.at[i, "input_shapes"], rows.at[i, "input_dtypes"]
+            if d and isinstance(t[0], list):
+                for shape, dt in zip(d[0], t[0]):
+                    key = (tuple(shape), dt)
+                    if params.get(key, 0) > 0:
+                        params[key] -= 1
+        flat = [(list(sh), dt) for (sh, dt), n in params.items() for _ in range(n)]
+        if not flat:
+            continue
+        per_param, steps_list, ams_list = _FUSED_OPTIMIZER_LISTS[op]
+        i = bad[0]
+        dims = list(rows.at[i, "input_shapes"])
+        dtypes = list(rows.at[i, "input_dtypes"])
+        strides = list(rows.at[i, "input_strides"]) + [[] for _ in range(len(dims) - len(rows.at[i, "input_strides"]))]
+        conc = list(rows.at[i, "concrete_inputs"])
+        amsgrad = ams_list is not None and len(conc) > 11 and str(conc[11]).lower() == "true"
+        fill = list(per_param) + ([ams_list] if amsgrad else [])
+        for j in fill:
+            if j < len(dims):
+                dims[j] = [sh for sh, _ in flat]
+                dtypes[j] = [dt for _, dt in flat]
+                strides[j] = [_contiguous(sh) for sh, _ in flat]
+        if steps_list is not None and steps_list < len(dims):
+            dims[steps_list] = [[] for _ in flat]
+            dtypes[steps_list] = ["float32"] * len(flat)
+            strides[steps_list] = [[] for _ in flat]
+        rows.at[i, "input_shapes"] = dims
+        rows.at[i, "input_dtypes"] = dtypes
+        rows.at[i, "input_strides"] = strides
+
+
 def op_table(events: TraceEvents) -> pd.DataFrame:
     """One row per executed op per recorded step (see the module docstring for which ops).
 
@@ -539,6 +632,7 @@ def op_table(events: TraceEvents) -> pd.DataFrame:
     rows["input_dtypes"] = [_norm_types(t, d, shape_dtype) for t, d in zip(types, dims)]
     rows["input_strides"] = [a.get("Input Strides") or [] for a in a_rows]
     rows["concrete_inputs"] = [a.get("Concrete Inputs") or [] for a in a_rows]
+    _fill_truncated_optimizer_lists(rows, events)
     disp = [_display(d, t) for d, t in zip(rows["input_shapes"], rows["input_dtypes"])]
     rows["shapes"] = [d[0] for d in disp]
     rows["dtype"] = [d[1] for d in disp]

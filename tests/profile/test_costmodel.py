@@ -195,6 +195,42 @@ def test_attention_flops_gqa_and_causal():
     assert c.bytes == 4 * (B * Hq * S * D * 2 + 2 * B * Hkv * S * D) + 4 * B * Hq * S
 
 
+def test_cudnn_attention_ops_torch_2_11():
+    """aten::_cudnn_attention_forward/_backward launch the cuDNN SDPA kernels on sm90 (argument
+    layout as in the H200 Llama-1B trace: q (B, Hq, S, D), GQA k/v, is_causal at 10 / 14)."""
+    B, Hq, Hkv, S, D = 2, 8, 2, 64, 16
+    q, k, v = [B, Hq, S, D], [B, Hkv, S, D], [B, Hkv, S, D]
+    causal = 4 * B * Hq * S * S * D * (S * (S + 1) / 2) / (S * S)
+    f = cost("aten::_cudnn_attention_forward", [q, k, v] + [[]] * 10,
+             ["bfloat16"] * 3 + ["", "", ""] + ["Scalar"] * 7,
+             concrete=[""] * 6 + [str(S), str(S), "True", "0.", "True", "False", "0.25"])
+    assert f.flops == pytest.approx(causal)
+    assert f.bytes == 2 * (B * Hq * S * D * 2 + 2 * B * Hkv * S * D) + 4 * B * Hq * S
+    b = cost("aten::_cudnn_attention_backward", [q, q, k, v, q, [B, Hq, S, 1]] + [[]] * 10,
+             ["bfloat16"] * 5 + ["float32", "int64", "int64", "", "", ""] + ["Scalar"] * 5,
+             concrete=[""] * 11 + [str(S), str(S), "0.", "True", "0.25"])
+    assert b.flops == pytest.approx(2.5 * causal)  # dQ, dK, dV, dP and the recomputed S
+    assert "_cudnn_attention_forward" in costmodel.TENSOR_CORE_OPS
+
+
+@pytest.mark.parametrize("op", ["aten::_fused_adamw_", "aten::_foreach_add_"])
+def test_truncated_tensorlists_are_unknown_not_zero(op):
+    """The profiler drops the shapes of TensorLists longer than 30 (`Input Dims` [] each): such a
+    record must give an unknown cost (it was 0 FLOPs / 0 bytes, classed latency-bound, for the
+    6 ms/step fused AdamW of a 1B model)."""
+    n_lists = 6 if "adam" in op else 2
+    shapes = [[] for _ in range(n_lists)] + [[]]
+    dtypes = ["TensorList"] * n_lists + ["Scalar"]
+    types = ["TensorList"] * n_lists + ["Scalar"]
+    c, _ = inclusive_cost(op, shapes, dtypes, [[] for _ in shapes], [""] * len(shapes), types)
+    assert c is None
+    # the same op with its shapes recorded has a cost
+    rec = [[[64, 32], [64]] for _ in range(n_lists)] + [[]]
+    c, _ = inclusive_cost(op, rec, [["float32"] * 2 for _ in range(n_lists)] + ["Scalar"],
+                          [[[32, 1], [1]] for _ in range(n_lists)] + [[]], [""] * len(rec), types)
+    assert c is not None and c.bytes > 0
+
+
 def test_fused_adamw_bytes():
     shapes = [[64, 32], [64]]
     n = 64 * 32 + 64
@@ -273,6 +309,35 @@ def test_coverage_tiny_hf_llama(tmp_path, fused_adam):
     linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     fwd = ops[(ops["phase"] == "fwd") & (ops["flops"] > 0)]
     assert linears <= set(fwd["module"])
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_fused_adamw_over_more_than_30_parameters(tmp_path, micro_batches):
+    """The profiler drops the shapes of TensorLists longer than 30; trace.op_table takes the
+    fused optimizer's from the step's gradients (divided by the micro-batches per step)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(16)])  # 32 parameters
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    x = torch.randn(4, 8)
+
+    def step():
+        for _ in range(micro_batches):
+            model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    ev, ops = record_ops(tmp_path, model, step)
+    raw = ev.host[ev.host["name"] == "aten::_fused_adamw_"]["args"].iloc[0]
+    assert raw["Input Dims"][:6] == [[]] * 6  # the truncation this works around
+    adam = ops[ops["op"] == "aten::_fused_adamw_"]
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    assert len(adam) == 1 and adam["cost_known"].all()
+    # fp32: read param, grad, exp_avg, exp_avg_sq, write three of them (7 x 4 B per element;
+    # the 0-d step counts are not modelled, as in test_fused_adamw_bytes)
+    assert adam["bytes"].iloc[0] == 7 * 4 * n
+    assert adam["flops"].iloc[0] == costmodel.ADAM_FLOPS_PER_ELEM * n
+    assert adam["shapes"].iloc[0].startswith("[32 tensors]")
 
 
 def test_coverage_gpt_example(tmp_path):
