@@ -31,6 +31,7 @@ autograd.Functions, public functions, references, registry specs. The activation
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -40,7 +41,7 @@ import triton
 import triton.language as tl
 
 from kprof.errors import KprofError
-from kprof.kernels._common import use_triton, warn_fallback
+from kprof.kernels._common import use_triton, via_custom_op, warn_fallback
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 
 # Activation codes passed to the kernels as the ACT constexpr.
@@ -58,15 +59,44 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
+def _half_erfc(z):
+    """0.5 * erfc(z) for z >= 0 (fp32 block), relative error ~1e-6 everywhere.
+
+    Numerical Recipes in C (2nd ed., sec. 6.2, `erfcc`): erfc(z) = t * exp(-z^2 + P(t)),
+    t = 1 / (1 + z / 2), P a degree-9 Chebyshev fit; fractional error < 1.2e-7, to which fp32
+    evaluation adds about z^2 * 2^-24 (the rounding of -z^2 inside the exp): 8 ulp at z = 2.
+    Used instead of 0.5 * (1 + erf(-z)), which cancels: at g = -3 the CDF is 1.3e-3 and
+    1 + erf carries erf's absolute error of ~6e-8, a relative error of 4.4e-5 (770 fp32 ulp;
+    enough to flip 1.3% of bf16 roundings of geglu(erf) at g ~ 3 N(0, 1) on the H200).
+    """
+    t = 1.0 / (1.0 + 0.5 * z)
+    p = 0.17087277 * t - 0.82215223
+    p = p * t + 1.48851587
+    p = p * t - 1.13520398
+    p = p * t + 0.27886807
+    p = p * t - 0.18628806
+    p = p * t + 0.09678418
+    p = p * t + 0.37409196
+    p = p * t + 1.00002368
+    p = p * t - 1.26551223
+    return 0.5 * t * tl.exp(p - z * z)
+
+
+@triton.jit
 def act_and_grad(g, ACT: tl.constexpr):
     """(act(g), act'(g)) for an fp32 block g. ACT: 0 silu, 1 gelu tanh, 2 gelu erf.
 
     Forward kernels use only the first value; the compiler drops the unused derivative.
+    Written without cancellation, so both values carry a few fp32 ulp of relative error for
+    every g: the backward of bias_gelu sums act' over all rows into dbias, where per-element
+    absolute errors of ~1e-6 (what `s + g * s * (1 - s)` gives at g = 5, because 1 - s loses
+    the digits of s ~ 1) added up past the fp32 tolerance at 1823 rows on the H200.
     """
     if ACT == 2:
-        # gelu(g) = g * Phi(g), Phi(g) = 0.5 * (1 + erf(g / sqrt(2)));
-        # gelu'(g) = Phi(g) + g * phi(g), phi(g) = exp(-g^2 / 2) / sqrt(2 pi).
-        cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
+        # gelu(g) = g * Phi(g); gelu'(g) = Phi(g) + g * phi(g), phi(g) = exp(-g^2/2) / sqrt(2 pi).
+        # Phi(g) = 0.5 * erfc(-g / sqrt(2)): h = Phi(-|g|) <= 0.5, Phi(g) = 1 - h for g >= 0.
+        h = _half_erfc(tl.abs(g) * 0.7071067811865476)
+        cdf = tl.where(g >= 0, 1.0 - h, h)
         a = g * cdf
         da = cdf + g * (0.3989422804014327 * tl.exp(-0.5 * g * g))
     else:
@@ -81,10 +111,14 @@ def act_and_grad(g, ACT: tl.constexpr):
         else:
             u = g
             du = 1.0
-        # act = g * s(u); act' = s(u) + g * s(u) * (1 - s(u)) * u'
-        s = tl.sigmoid(u)
+        # s = sigmoid(u) and s * (1 - s) from e = exp(-|u|) <= 1 (never overflows):
+        # s = 1 / (1 + e) for u >= 0, e / (1 + e) below; s * (1 - s) = e / (1 + e)^2.
+        e = tl.exp(-tl.abs(u))
+        r = 1.0 / (1.0 + e)
+        s = tl.where(u >= 0, r, e * r)
         a = g * s
-        da = s + g * s * (1.0 - s) * du
+        # act' = s + g * s * (1 - s) * u'
+        da = s + g * (e * r * r) * du
     return a, da
 
 
@@ -153,11 +187,12 @@ class StreamConfig:
 
     # 4096 elements per program: at 8 warps that is 16 elements per thread per tensor, i.e. two
     # 16-byte vector accesses for bf16 (four for fp32), enough bytes in flight per SM to stream
-    # (inductor's pointwise kernels use 1024-2048 per program at 4-8 warps). Not yet swept on
-    # the H200; the lead's benchmark run is where this gets tuned.
+    # (inductor's pointwise kernels use 1024-2048 per program at 4-8 warps). H200, 2026-11-29:
+    # SwiGLU fwd 8192x11008 bf16 ran 125 us of kernel time against the 127 us copy floor.
     TILE = 4096
 
     @classmethod
+    @functools.lru_cache(maxsize=1024)  # per call otherwise: ~10 us of Python on the H200 host
     def streaming(cls, n_rows: int, n_cols: int) -> "StreamConfig":
         """A [block_m, block_n] tile of about TILE elements; wide rows are split into column
         blocks (so any row length works), narrow rows are stacked so a program still moves
@@ -176,9 +211,23 @@ class StreamConfig:
         return (triton.cdiv(n_rows, self.block_m) * triton.cdiv(n_cols, self.block_n),)
 
 
+@functools.lru_cache(maxsize=1024)
+def _launch_plan(n_rows: int, n_cols: int) -> tuple[tuple[int], int, int, int]:
+    """(grid, block_m, block_n, num_warps) for a streaming launch, cached on the ints."""
+    cfg = StreamConfig.streaming(n_rows, n_cols)
+    return cfg.grid(n_rows, n_cols), cfg.block_m, cfg.block_n, cfg.num_warps
+
+
+_NO_CTX = contextlib.nullcontext()
+
+
 def device_ctx(t: torch.Tensor):
-    """Launch on t's GPU (Triton launches on the current device)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    """Launch on t's GPU (Triton launches on the current device). Switching devices only when
+    t is not on the current one: the common single-GPU call skips torch.cuda.device's
+    enter/exit (two device exchanges)."""
+    if t.is_cuda and t.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return _NO_CTX
 
 
 def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
@@ -242,84 +291,115 @@ def _approx_act(approximate: str) -> int:
     return _GELU_ACT[approximate]
 
 
-def _launch_fwd(g2: torch.Tensor, u2: torch.Tensor, y2: torch.Tensor, act: int) -> None:
-    """g2, u2, y2: (rows, cols) with unit column stride."""
-    n_rows, n_cols = y2.shape
-    cfg = StreamConfig.streaming(n_rows, n_cols)
-    with device_ctx(y2):
-        _glu_fwd_kernel[cfg.grid(n_rows, n_cols)](
-            g2, u2, y2, n_rows, n_cols, g2.stride(0), u2.stride(0), y2.stride(0),
-            ACT=act, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+# The launchers below are the eager hot path (autograd.Functions call them directly; see
+# `via_custom_op`), so they do no aten work beyond allocating outputs: contiguous tensors go to
+# the kernel as they are, as one row of numel elements (no .view), and views are made only for
+# strided inputs. On the H200 machine's host an aten op costs ~12 us and a launch ~24 us, which
+# at 8192x11008 made fwd+bwd host-bound (638 us wall against 334 us of kernel time).
+
+
+def _launch_fwd(g, u, y, n_rows: int, n_cols: int, sg: int, su: int, sy: int, act: int) -> None:
+    """g, u, y: tensors (or views) addressed as (n_rows, n_cols) with unit column stride and
+    row strides sg, su, sy."""
+    grid, bm, bn, warps = _launch_plan(n_rows, n_cols)
+    with device_ctx(y):
+        _glu_fwd_kernel[grid](
+            g, u, y, n_rows, n_cols, sg, su, sy,
+            ACT=act, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
         )  # fmt: skip
 
 
-def _launch_bwd(dy2, g2, u2, dg2, du2, act: int) -> None:
-    n_rows, n_cols = dy2.shape
-    cfg = StreamConfig.streaming(n_rows, n_cols)
-    with device_ctx(dy2):
-        _glu_bwd_kernel[cfg.grid(n_rows, n_cols)](
-            dy2, g2, u2, dg2, du2, n_rows, n_cols,
-            dy2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0),
-            ACT=act, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+def _launch_bwd(dy, g, u, dg, du, n_rows: int, n_cols: int, strides: tuple, act: int) -> None:
+    grid, bm, bn, warps = _launch_plan(n_rows, n_cols)
+    with device_ctx(dy):
+        _glu_bwd_kernel[grid](
+            dy, g, u, dg, du, n_rows, n_cols, *strides,
+            ACT=act, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
         )  # fmt: skip
+
+
+def _glu_fwd(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
+    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    numel = y.numel()
+    if numel == 0:
+        return y
+    if gate.is_contiguous() and up.is_contiguous():
+        # One long row: the kernel streams the flat buffers; no per-row tail blocks.
+        _launch_fwd(gate, up, y, 1, numel, 0, 0, 0, act)
+    else:
+        n = gate.shape[-1]
+        g2, u2 = as_rows(gate, n), as_rows(up, n)
+        _launch_fwd(g2, u2, y, numel // n, n, g2.stride(0), u2.stride(0), n, act)
+    return y
+
+
+def _glu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]:
+    dg = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    du = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    numel = dg.numel()
+    if numel == 0:
+        return dg, du
+    if dy.is_contiguous() and gate.is_contiguous() and up.is_contiguous():
+        _launch_bwd(dy, gate, up, dg, du, 1, numel, (0, 0, 0, 0, 0), act)
+    else:
+        n = gate.shape[-1]
+        dy2, g2, u2 = as_rows(dy, n), as_rows(gate, n), as_rows(up, n)
+        strides = (dy2.stride(0), g2.stride(0), u2.stride(0), n, n)
+        _launch_bwd(dy2, g2, u2, dg, du, numel // n, n, strides, act)
+    return dg, du
+
+
+def _glu_packed_fwd(gu: torch.Tensor, act: int) -> torch.Tensor:
+    i = gu.shape[-1] // 2
+    y = torch.empty((*gu.shape[:-1], i), dtype=gu.dtype, device=gu.device)
+    if y.numel() == 0:
+        return y
+    gu2 = as_rows(gu, 2 * i)  # (rows, 2I); the halves are views with row stride gu2.stride(0)
+    s = gu2.stride(0)
+    _launch_fwd(gu2[:, :i], gu2[:, i:], y, gu2.shape[0], i, s, s, i, act)
+    return y
+
+
+def _glu_packed_bwd(dy: torch.Tensor, gu: torch.Tensor, act: int) -> torch.Tensor:
+    i = gu.shape[-1] // 2
+    dgu = torch.empty(gu.shape, dtype=gu.dtype, device=gu.device)
+    if dgu.numel() == 0:
+        return dgu
+    gu2, dy2 = as_rows(gu, 2 * i), as_rows(dy, i)
+    dgu2 = dgu.view(-1, 2 * i)
+    s = gu2.stride(0)
+    strides = (dy2.stride(0), s, s, 2 * i, 2 * i)
+    _launch_bwd(dy2, gu2[:, :i], gu2[:, i:], dgu2[:, :i], dgu2[:, i:], gu2.shape[0], i, strides, act)
+    return dgu
+
+
+# Checked entry points (the custom ops call these; so can users): validate, then launch.
 
 
 def glu_fwd(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
     """y = act(gate) * up, y contiguous in gate's shape and dtype."""
     _check_pair(gate, up)
-    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    if y.numel() == 0:
-        return y
-    if gate.is_contiguous() and up.is_contiguous():
-        # One long row: the kernel streams the flat buffers; no per-row tail blocks.
-        _launch_fwd(gate.view(1, -1), up.view(1, -1), y.view(1, -1), act)
-    else:
-        n = gate.shape[-1]
-        _launch_fwd(as_rows(gate, n), as_rows(up, n), y.view(-1, n), act)
-    return y
+    return _glu_fwd(gate, up, act)
 
 
 def glu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_gate, d_up), both contiguous."""
     _check_pair(gate, up)
     _check_same("dy", dy, gate.shape, gate)
-    dg = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    du = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    if dg.numel() == 0:
-        return dg, du
-    if dy.is_contiguous() and gate.is_contiguous() and up.is_contiguous():
-        flat = [t.view(1, -1) for t in (dy, gate, up, dg, du)]
-        _launch_bwd(*flat, act)
-    else:
-        n = gate.shape[-1]
-        _launch_bwd(as_rows(dy, n), as_rows(gate, n), as_rows(up, n), dg.view(-1, n), du.view(-1, n), act)
-    return dg, du
+    return _glu_bwd(dy, gate, up, act)
 
 
 def glu_packed_fwd(gu: torch.Tensor, act: int) -> torch.Tensor:
     """y = act(gu[..., :I]) * gu[..., I:], y of shape [..., I]."""
     _check_packed(gu)
-    i = gu.shape[-1] // 2
-    y = torch.empty((*gu.shape[:-1], i), dtype=gu.dtype, device=gu.device)
-    if y.numel() == 0:
-        return y
-    gu2 = as_rows(gu, 2 * i)  # (rows, 2I); the halves are views with row stride gu2.stride(0)
-    _launch_fwd(gu2[:, :i], gu2[:, i:], y.view(-1, i), act)
-    return y
+    return _glu_packed_fwd(gu, act)
 
 
 def glu_packed_bwd(dy: torch.Tensor, gu: torch.Tensor, act: int) -> torch.Tensor:
     """d_gu of gu's shape: d_gate in the first half, d_up in the second."""
     _check_packed(gu)
-    i = gu.shape[-1] // 2
-    _check_same("dy", dy, torch.Size((*gu.shape[:-1], i)), gu)
-    dgu = torch.empty(gu.shape, dtype=gu.dtype, device=gu.device)
-    if dgu.numel() == 0:
-        return dgu
-    gu2 = as_rows(gu, 2 * i)
-    dgu2 = dgu.view(-1, 2 * i)
-    _launch_bwd(as_rows(dy, i), gu2[:, :i], gu2[:, i:], dgu2[:, :i], dgu2[:, i:], act)
-    return dgu
+    _check_same("dy", dy, torch.Size((*gu.shape[:-1], gu.shape[-1] // 2)), gu)
+    return _glu_packed_bwd(dy, gu, act)
 
 
 # --------------------------------------------------------------------------------------------
@@ -405,16 +485,26 @@ for _op, _fake in (
 # --------------------------------------------------------------------------------------------
 
 
+# Inputs were validated by the public function and autograd hands backward a dy of y's shape,
+# dtype and device, so the eager path calls the unchecked launchers; under torch.compile or a
+# recording profiler (`via_custom_op`) it goes through the custom ops instead (an opaque node for
+# the compiler; `kprof::*` ops with input shapes in the trace for the cost model).
+
+
 class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
         ctx.save_for_backward(gate, up)
-        return _swiglu_fwd_op(gate, up)
+        if via_custom_op():
+            return _swiglu_fwd_op(gate, up)
+        return _glu_fwd(gate, up, ACT_SILU)
 
     @staticmethod
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        return _swiglu_bwd_op(dy, gate, up)
+        if via_custom_op():
+            return _swiglu_bwd_op(dy, gate, up)
+        return _glu_bwd(dy, gate, up, ACT_SILU)
 
 
 class _GeGLUFunction(torch.autograd.Function):
@@ -422,12 +512,17 @@ class _GeGLUFunction(torch.autograd.Function):
     def forward(ctx, gate, up, approximate):
         ctx.save_for_backward(gate, up)
         ctx.approximate = approximate
-        return _geglu_fwd_op(gate, up, approximate)
+        if via_custom_op():
+            return _geglu_fwd_op(gate, up, approximate)
+        return _glu_fwd(gate, up, _GELU_ACT[approximate])
 
     @staticmethod
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        dg, du = _geglu_bwd_op(dy, gate, up, ctx.approximate)
+        if via_custom_op():
+            dg, du = _geglu_bwd_op(dy, gate, up, ctx.approximate)
+        else:
+            dg, du = _glu_bwd(dy, gate, up, _GELU_ACT[ctx.approximate])
         return dg, du, None
 
 
@@ -435,12 +530,16 @@ class _SwiGLUPackedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gu):
         ctx.save_for_backward(gu)
-        return _swiglu_packed_fwd_op(gu)
+        if via_custom_op():
+            return _swiglu_packed_fwd_op(gu)
+        return _glu_packed_fwd(gu, ACT_SILU)
 
     @staticmethod
     def backward(ctx, dy):
         (gu,) = ctx.saved_tensors
-        return _swiglu_packed_bwd_op(dy, gu)
+        if via_custom_op():
+            return _swiglu_packed_bwd_op(dy, gu)
+        return _glu_packed_bwd(dy, gu, ACT_SILU)
 
 
 class _GeGLUPackedFunction(torch.autograd.Function):
@@ -448,12 +547,16 @@ class _GeGLUPackedFunction(torch.autograd.Function):
     def forward(ctx, gu, approximate):
         ctx.save_for_backward(gu)
         ctx.approximate = approximate
-        return _geglu_packed_fwd_op(gu, approximate)
+        if via_custom_op():
+            return _geglu_packed_fwd_op(gu, approximate)
+        return _glu_packed_fwd(gu, _GELU_ACT[approximate])
 
     @staticmethod
     def backward(ctx, dy):
         (gu,) = ctx.saved_tensors
-        return _geglu_packed_bwd_op(dy, gu, ctx.approximate), None
+        if via_custom_op():
+            return _geglu_packed_bwd_op(dy, gu, ctx.approximate), None
+        return _glu_packed_bwd(dy, gu, _GELU_ACT[ctx.approximate]), None
 
 
 # --------------------------------------------------------------------------------------------
