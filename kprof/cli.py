@@ -201,13 +201,10 @@ def calibrate(
     report.render_ceilings(asdict(c), str(ceilings.cache_path(dev)), console)
 
 
-# `kprof suggest` and `kprof apply` live in kprof/cli_patch.py (another issue), which registers its
-# commands here once it exists. Checked by file, not by catching ImportError, so that a broken
-# cli_patch fails loudly instead of silently losing the commands.
-if importlib.util.find_spec("kprof.cli_patch") is not None:
-    from kprof import cli_patch
+# `kprof suggest` and `kprof apply` live in kprof/cli_patch.py, beside the rule engine they drive.
+from kprof import cli_patch  # noqa: E402
 
-    cli_patch.register(app)
+cli_patch.register(app)
 
 
 def main(argv: list[str] | None = None) -> None:
