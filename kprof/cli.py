@@ -3,7 +3,6 @@ kprof.ceilings); rendering in kprof.report. KprofError is caught once, in main()
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from contextlib import contextmanager
 from enum import Enum
