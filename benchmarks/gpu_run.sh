@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One full GPU session on the lent H200, in as few calls as possible (the device budget is 30 min):
-#   bash benchmarks/gpu_run.sh [stages]      stages: comma list of env,tests,bench,calibrate,profile,apply (default: all)
+#   bash benchmarks/gpu_run.sh [stages]      stages: comma list of env,tests,bench,calibrate,profile,suggest,apply,step (default: all)
 # Everything lands under $OUT (logs, kernels.csv, calibration, profile summaries); the lead commits
 # what matters to benchmarks/results/. Carry .whl (Liger Kernel wheel) with the call.
 set -uo pipefail
@@ -28,6 +28,15 @@ if has calibrate; then
 fi
 if has profile; then
   timeout ${PROFILE_TIMEOUT:-200} kprof profile examples/llama_train.py --out "$OUT/runs" -- --preset 1b --device cuda 2>&1 | tee "$OUT/profile_llama.log" | tail -80
+fi
+if has suggest; then
+  timeout 60 kprof suggest --out "$OUT/runs" 2>&1 | tee "$OUT/suggest_llama.log" | tail -40
+fi
+if has apply; then
+  timeout ${APPLY_TIMEOUT:-240} kprof apply examples/llama_train.py --patch all --out "$OUT/runs" --write "$OUT/runs/keep_patches.py" -- --preset 1b --device cuda 2>&1 | tee "$OUT/apply_llama.log" | tail -60
+fi
+if has step; then
+  timeout ${STEP_TIMEOUT:-300} python3 benchmarks/bench_llama_step.py --csv "$OUT/llama_step.csv" 2>&1 | tee "$OUT/llama_step.log" | tail -20
 fi
 # At most 8 files come back: pack run dirs and the calibration cache (traces left out: too big).
 ( cd "$OUT" && tar czf artifacts.tgz --exclude='trace.json.gz' runs cache install.log 2>/dev/null; rm -rf runs cache install.log )
