@@ -38,6 +38,8 @@ fi
 if has step; then
   timeout ${STEP_TIMEOUT:-300} python3 benchmarks/bench_llama_step.py --csv "$OUT/llama_step.csv" 2>&1 | tee "$OUT/llama_step.log" | tail -20
 fi
-# At most 8 files come back: pack run dirs and the calibration cache (traces left out: too big).
-( cd "$OUT" && tar czf artifacts.tgz --exclude='trace.json.gz' runs cache install.log 2>/dev/null; rm -rf runs cache install.log )
+# At most 8 files come back: the CSVs as they are, everything else (logs, run dirs without their
+# traces, the calibration cache) in one tarball.
+( cd "$OUT" && tar czf artifacts.tgz --exclude='trace.json.gz' --exclude='*.csv' --exclude='artifacts.tgz' . 2>/dev/null \
+  && find . -mindepth 1 -maxdepth 1 ! -name '*.csv' ! -name artifacts.tgz -exec rm -rf {} + )
 ls -la "$OUT"
