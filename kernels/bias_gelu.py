@@ -7,17 +7,17 @@ forward reads x and writes y (2 passes; the bias is N elements); backward reads 
 recomputes gelu'(x + bias) and writes dx (3 passes), and sums dbias on the fly.
 
 dbias = sum over rows of dx: each program of a persistent grid (~8 programs per SM) owns one
-column block and a strided set of row tiles, accumulates in fp32 registers and writes one
-partial row to an fp32 [n_groups, N] buffer; `partial.sum(0)` finishes. No atomics, so the
-result is bitwise run-to-run deterministic. Partial-buffer traffic at 16384x16384 on an H200:
-4 column blocks of 4096 x 264 groups (1056 programs) -> 264 x 16384 fp32 = 17 MB written and
-read back, about 2% of the backward's 1.61 GB stream.
+column block and a strided set of row tiles, accumulates in fp64 registers and writes one
+partial row to an fp64 [n_groups, N] buffer; `partial.sum(0)` (fp64) finishes and rounds once
+to bias's dtype. No atomics, so the result is bitwise run-to-run deterministic. Partial-buffer
+traffic at 16384x16384 on an H200: 4 column blocks of 4096 x 264 groups (1056 programs) ->
+264 x 16384 fp64 = 35 MB written and read back, about 2% of the backward's 1.61 GB stream.
 
 Napkin math (H200, 4.27 TB/s), x 16384x16384 bf16 (537 MB per tensor): forward 1.07 GB ->
 251 us floor; backward 1.61 GB -> 377 us. Target: >= 90% of copy bandwidth both ways.
 
 Numerics: x + bias and GELU computed in fp32 and rounded once (eager rounds x + bias to the
-input dtype first); dbias is summed in fp32 from the unrounded dx. The activation math is the
+input dtype first); dbias is summed in fp64 from the unrounded fp32 dx. The activation math is the
 shared `act_and_grad` from `kprof.kernels.glu`.
 """
 
@@ -33,11 +33,12 @@ import triton
 import triton.language as tl
 
 from kprof.errors import KprofError
-from kprof.kernels._common import use_triton, warn_fallback
+from kprof.kernels._common import use_triton, via_custom_op, warn_fallback
 from kprof.kernels.glu import (
+    _GELU_ACT,
     SUPPORTED_DTYPES,
-    StreamConfig,
     _approx_act,
+    _launch_plan,
     _tile,
     act_and_grad,
     as_rows,
@@ -82,7 +83,12 @@ def _bias_gelu_bwd_kernel(
     col_mask = cols < n_cols
     c = cols[None, :]
     b = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # fp64 accumulator: an fp32 one walking 20000 rows (H200 test, 4097 columns) drifted past the
+    # fp32 tolerance on columns whose dbias is near 0 (error grows with the row count, not with
+    # |dbias|). One convert + one fp64 add per element: half-rate on H100/H200, and even at
+    # consumer GPUs' 1/64 rate (RTX 4090, 1.3 TFLOP/s) 2 x 268M ops at 16384^2 take ~0.4 ms
+    # against ~1.6 ms of memory time, so the kernel stays memory-bound.
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float64)
     n_row_tiles = tl.cdiv(n_rows, BLOCK_M)
     for t in range(pid_g, n_row_tiles, n_groups):
         rows = tl.arange(0, BLOCK_M).to(tl.int64) + t * BLOCK_M  # int64: r * stride may pass 2^31
@@ -93,7 +99,7 @@ def _bias_gelu_bwd_kernel(
         _, da = act_and_grad(x + b[None, :], ACT)
         dx = dy * da  # masked lanes: dy = 0 -> dx = 0, so they add nothing to acc
         tl.store(dx_ptr + r * stride_dx + c, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        acc += dx
+        acc += dx.to(tl.float64)
     tl.store(part_ptr + pid_g.to(tl.int64) * n_cols + cols, tl.sum(acc, axis=0), mask=col_mask)
 
 
@@ -115,7 +121,7 @@ def _sm_count(device_index: int) -> int:
 
 
 def _n_groups(t: torch.Tensor, n_row_tiles: int, n_col_blocks: int) -> int:
-    sms = _sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device()) if t.is_cuda else _INTERPRETER_SMS
+    sms = _sm_count(t.get_device()) if t.is_cuda else _INTERPRETER_SMS
     return max(1, min(n_row_tiles, triton.cdiv(sms * _PROGRAMS_PER_SM, n_col_blocks)))
 
 
@@ -143,22 +149,66 @@ def _check(x: torch.Tensor, bias: torch.Tensor) -> None:
         raise KprofError(f"x and bias must be on the same device, got {x.device} and {bias.device}")
 
 
+# The unchecked launchers are the eager hot path (the autograd.Function calls them directly; see
+# `via_custom_op`): no aten work beyond allocating outputs, contiguous x passed as it is (no
+# .view), views only for strided inputs.
+
+
+def _rows(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """(tensor addressable as rows of n with unit column stride, its row stride)."""
+    if t.is_contiguous():
+        return t, n
+    t2 = as_rows(t, n)
+    return t2, t2.stride(0)
+
+
+def _fwd(x: torch.Tensor, bias: torch.Tensor, act: int) -> torch.Tensor:
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    numel = y.numel()
+    if numel == 0:
+        return y
+    n = x.shape[-1]
+    n_rows = numel // n
+    x2, sx = _rows(x, n)
+    b = bias if bias.is_contiguous() else bias.contiguous()
+    grid, bm, bn, warps = _launch_plan(n_rows, n)
+    with device_ctx(x):
+        _bias_gelu_fwd_kernel[grid](
+            x2, b, y, n_rows, n, sx, n,
+            ACT=act, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+        )  # fmt: skip
+    return y
+
+
+def _bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]:
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    numel = dx.numel()
+    if numel == 0:
+        return dx, torch.zeros_like(bias)  # a sum over zero rows is 0
+    n = x.shape[-1]
+    n_rows = numel // n
+    dy2, sdy = _rows(dy, n)
+    x2, sx = _rows(x, n)
+    b = bias if bias.is_contiguous() else bias.contiguous()
+    _, bm, bn, warps = _launch_plan(n_rows, n)
+    n_col_blocks = triton.cdiv(n, bn)
+    n_groups = _n_groups(x, triton.cdiv(n_rows, bm), n_col_blocks)
+    partial = torch.empty((n_groups, n), dtype=torch.float64, device=x.device)
+    with device_ctx(x):
+        _bias_gelu_bwd_kernel[(n_col_blocks, n_groups)](
+            dy2, x2, b, dx, partial, n_rows, n, sdy, sx, n,
+            ACT=act, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+        )  # fmt: skip
+    # Second level: a fixed-order fp64 sum over n_groups partial rows (deterministic), then one
+    # rounding to bias's dtype. Partial traffic at 16384x16384: 264 groups x 16384 x 8 bytes =
+    # 35 MB written and read back, 2% of the backward's 1.61 GB.
+    return dx, partial.sum(dim=0).to(bias.dtype)
+
+
 def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor, approximate: str) -> torch.Tensor:
     """y = gelu(x + bias), contiguous, x's shape and dtype."""
     _check(x, bias)
-    act = _approx_act(approximate)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if y.numel() == 0:
-        return y
-    n = x.shape[-1]
-    x2, y2, b = as_rows(x, n), y.view(-1, n), bias.contiguous()
-    cfg = StreamConfig.streaming(*x2.shape)
-    with device_ctx(x):
-        _bias_gelu_fwd_kernel[cfg.grid(*x2.shape)](
-            x2, b, y2, x2.shape[0], n, x2.stride(0), y2.stride(0),
-            ACT=act, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-        )  # fmt: skip
-    return y
+    return _fwd(x, bias, _approx_act(approximate))
 
 
 def bias_gelu_bwd(
@@ -172,24 +222,7 @@ def bias_gelu_bwd(
             f"dy must have x's shape {tuple(x.shape)}, dtype {x.dtype} on {x.device}; "
             f"got {tuple(dy.shape)}, {dy.dtype} on {dy.device}"
         )
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if dx.numel() == 0:
-        return dx, torch.zeros_like(bias)  # a sum over zero rows is 0
-    n = x.shape[-1]
-    dy2, x2, dx2, b = as_rows(dy, n), as_rows(x, n), dx.view(-1, n), bias.contiguous()
-    n_rows = x2.shape[0]
-    cfg = StreamConfig.streaming(n_rows, n)
-    n_col_blocks = triton.cdiv(n, cfg.block_n)
-    n_groups = _n_groups(x, triton.cdiv(n_rows, cfg.block_m), n_col_blocks)
-    partial = torch.empty((n_groups, n), dtype=torch.float32, device=x.device)
-    with device_ctx(x):
-        _bias_gelu_bwd_kernel[(n_col_blocks, n_groups)](
-            dy2, x2, b, dx2, partial, n_rows, n,
-            dy2.stride(0), x2.stride(0), dx2.stride(0),
-            ACT=act, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-        )  # fmt: skip
-    # Second level: a fixed-order sum over n_groups partial rows (deterministic).
-    return dx, partial.sum(dim=0).to(bias.dtype)
+    return _bwd(dy, x, bias, act)
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,16 +253,23 @@ def _(dy, x, bias, approximate):
 
 
 class _BiasGELUFunction(torch.autograd.Function):
+    # Eager: the unchecked launchers (bias_gelu validated the inputs; autograd's dy matches y).
+    # Under torch.compile or a recording profiler: the custom ops (see `via_custom_op`).
     @staticmethod
     def forward(ctx, x, bias, approximate):
         ctx.save_for_backward(x, bias)
         ctx.approximate = approximate
-        return _bias_gelu_fwd_op(x, bias, approximate)
+        if via_custom_op():
+            return _bias_gelu_fwd_op(x, bias, approximate)
+        return _fwd(x, bias, _GELU_ACT[approximate])
 
     @staticmethod
     def backward(ctx, dy):
         x, bias = ctx.saved_tensors
-        dx, dbias = _bias_gelu_bwd_op(dy, x, bias, ctx.approximate)
+        if via_custom_op():
+            dx, dbias = _bias_gelu_bwd_op(dy, x, bias, ctx.approximate)
+        else:
+            dx, dbias = _bwd(dy, x, bias, _GELU_ACT[ctx.approximate])
         return dx, dbias, None
 
 
