@@ -196,7 +196,7 @@ def _dense_unit_last(shape, stride) -> bool:
 def _out_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Output in t's memory layout when t is dense with unit last-dim stride (as eager's
     elementwise ops do), else contiguous: the kernel writes with unit last-dim stride."""
-    if _dense_unit_last(t.shape, t.stride()):
+    if t.is_contiguous() or _dense_unit_last(t.shape, t.stride()):
         return torch.empty_like(t, dtype=dtype)
     return torch.empty(t.shape, dtype=dtype, device=t.device)
 
@@ -220,10 +220,11 @@ def _cos_strides(c: torch.Tensor) -> tuple[int, int]:
 
 def _rope_launch(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int,
-    qo: torch.Tensor, ko: torch.Tensor, backward: bool,
+    qo: torch.Tensor, ko: torch.Tensor, backward: bool, config: Optional[RopeConfig] = None,
 ) -> None:
     """Rotate q, k into the preallocated qo, ko (any dense layout with unit last-dim stride).
 
+    `config` overrides the launch parameters (benchmarks/cases/softmax_rope.py sweeps them).
     Host work for the usual inputs is the launch alone: strides are read from the tensors as
     they are (no transpose, expand or contiguous views; each aten op costs ~12 us of host time
     and the launch ~24 us on the H200 machine, where eager RoPE was host-bound).
@@ -240,7 +241,7 @@ def _rope_launch(
         cos, sin = cos.contiguous(), sin.contiguous()
         c_sb, c_ss = _cos_strides(cos)
     half = head_dim // 2
-    cfg = RopeConfig.for_shape(n_q_heads, n_k_heads, half)
+    cfg = config or RopeConfig.for_shape(n_q_heads, n_k_heads, half)
     _rope_kernel[(batch * seq,)](
         q, k, qo, ko, cos, sin,
         seq, n_q_heads, n_k_heads, half,

@@ -156,3 +156,61 @@ CASES: list[Case] = [
         problem={"batch": _RB, "seq": _RS, "n_q_heads": _RH, "n_kv_heads": _RH_KV, "head_dim": _RD, "dtype": _bf16},
     ),
 ]
+
+
+# --- launch-config sweep for the RoPE kernel (run on the GPU; not part of CASES) -------------
+
+
+def sweep_rope_configs(dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+    """Time the RoPE kernel alone (forward launch into preallocated outputs, so host work is
+    one launch) over launch configs, on the two benchmark layouts, after checking each config
+    against the default one. `python -m benchmarks.cases.softmax_rope`.
+
+    The first row per layout is what `RopeConfig.for_shape` should pick. Floors: 126 us
+    (Llama 32+32 heads), 79 us (GQA 32+8 heads).
+    """
+    import triton
+    import triton.testing
+
+    rows = []
+    for label, make in (("llama 32+32", _rope_inputs), ("gqa 32+8 views", _rope_gqa_view_inputs)):
+        inp = make("cuda", dtype)
+        q, k, cos, sin = (inp[n].detach() for n in ("q", "k", "cos", "sin"))
+        n_q, n_k, half = q.shape[1], k.shape[1], q.shape[-1] // 2
+        default = _rope.RopeConfig.for_shape(n_q, n_k, half)
+        ref = _rope._rope_fwd(q, k, cos, sin, 1)
+        bhq, bhk = triton.next_power_of_2(n_q), triton.next_power_of_2(n_k)
+        configs = {default}
+        for warps in (2, 4, 8, 16):
+            configs.add(_rope.RopeConfig(bhq, bhk, half, True, warps))
+            for bh in (4, 8, 16, 32):
+                configs.add(_rope.RopeConfig(min(bhq, bh), min(bhk, bh), half, False, warps))
+        nbytes = 2 * (q.numel() + k.numel()) * q.element_size()
+        for cfg in sorted(configs, key=lambda c: (not c.one_tile, c.block_hq, c.num_warps)):
+            qo, ko = _rope._out_like(q, dtype), _rope._out_like(k, dtype)
+
+            def launch():
+                _rope._rope_launch(q, k, cos, sin, 1, qo, ko, backward=False, config=cfg)
+
+            try:
+                launch()
+                torch.testing.assert_close(qo, ref[0], atol=0, rtol=0)
+                torch.testing.assert_close(ko, ref[1], atol=0, rtol=0)
+            except Exception as e:  # noqa: BLE001 - a config that fails to compile or is wrong is a result
+                rows.append({"layout": label, "config": cfg, "us": float("nan"), "note": f"{type(e).__name__}: {e}"[:120]})
+                continue
+            us = triton.testing.do_bench(launch, warmup=10, rep=100, return_mode="median") * 1e3
+            rows.append({"layout": label, "config": cfg, "us": us, "tbps": nbytes / (us * 1e-6) / 1e12,
+                         "default": cfg == default})
+        del inp, q, k, ref
+    rows.sort(key=lambda r: (r["layout"], r["us"] != r["us"], r["us"]))
+    for r in rows:
+        c = r["config"]
+        print(f"{r['layout']:15s} one_tile={c.one_tile!s:5s} bhq={c.block_hq:3d} bhk={c.block_hk:3d} "
+              f"warps={c.num_warps:2d} {r['us']:7.1f} us {r.get('tbps', float('nan')):.2f} TB/s "
+              f"{'(default)' if r.get('default') else ''}{r.get('note', '')}", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    sweep_rope_configs()
