@@ -13,7 +13,11 @@ write; the backward reads y and dy once and writes dx once.
 Napkin math (H200, 4.27 TB/s measured copy bandwidth), x = [16384, 8192] bf16 (268 MB):
     fwd: read x + write y            = 2 * 268 MB = 537 MB -> 126 us floor
     bwd: read y, dy + write dx       = 3 * 268 MB = 805 MB -> 189 us floor  (fwd+bwd 314 us)
-A boolean mask adds mask.numel() bytes (read once, before broadcasting); `causal` adds nothing.
+A boolean mask adds mask.numel() bytes (read once, before broadcasting). `causal` takes bytes
+away: query i reads keys 0..i only (rounded up to 16 columns), about half of x in the forward
+and of y, dy in the backward for square scores (L = S = 1024: fwd 0.5 + 1 = 1.5x |x| instead
+of 2x, bwd 2x instead of 3x). The registry's cost (`_cost`) does not model that saving: for
+causal calls it is an upper bound.
 
 Regimes (chosen by `SoftmaxConfig.for_cols`, the one place launch parameters are picked):
 - n_cols <= 32768 (`MAX_FUSED_COLS`): the whole row sits in registers (at 32 warps, <= 32 fp32
@@ -71,6 +75,16 @@ def _keep(
 
 
 @triton.jit
+def _to_read(rows, cols, inb, q_len, CAUSAL: tl.constexpr):
+    """Which elements to read from memory. With CAUSAL, query i needs keys j <= i only: reads stop
+    at i + 1 rounded up to 16 columns (whole 16-element groups keep the loads 16-byte vectors),
+    which skips ~half of x (forward) and of y, dy (backward) for square causal scores."""
+    if CAUSAL:
+        return inb & (cols < ((rows % q_len) // 16 + 1) * 16)
+    return inb
+
+
+@triton.jit
 def _softmax_fwd_rows_kernel(
     x_ptr, y_ptr, mask_ptr, n_rows, n_cols, x_row_stride, y_row_stride, scale,
     m_size1, m_size2, m_stride0, m_stride1, m_stride2, m_stride_col, q_len,
@@ -81,9 +95,10 @@ def _softmax_fwd_rows_kernel(
     rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
     cols = tl.arange(0, BLOCK_N)[None, :]  # [1, BLOCK_N]
     inb = (rows < n_rows) & (cols < n_cols)
-    keep = _keep(rows, cols, inb, mask_ptr, m_size1, m_size2, m_stride0, m_stride1, m_stride2,
+    rd = _to_read(rows, cols, inb, q_len, CAUSAL)
+    keep = _keep(rows, cols, rd, mask_ptr, m_size1, m_size2, m_stride0, m_stride1, m_stride2,
                  m_stride_col, q_len, HAS_MASK, CAUSAL)
-    x = tl.load(x_ptr + rows * x_row_stride + cols, mask=inb, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows * x_row_stride + cols, mask=rd, other=0.0).to(tl.float32)
     z = tl.where(keep, x * scale, float("-inf"))
     m = tl.max(z, axis=1)
     # A fully masked row has max -inf; shifting by 0 instead makes every exp 0, the sum 0 and the
@@ -112,9 +127,10 @@ def _softmax_fwd_looped_kernel(
     for start in range(0, n_cols, BLOCK_N):
         cols = start + lanes
         inb = cols < n_cols
-        keep = _keep(rows, cols, inb, mask_ptr, m_size1, m_size2, m_stride0, m_stride1, m_stride2,
+        rd = _to_read(rows, cols, inb, q_len, CAUSAL)
+        keep = _keep(rows, cols, rd, mask_ptr, m_size1, m_size2, m_stride0, m_stride1, m_stride2,
                      m_stride_col, q_len, HAS_MASK, CAUSAL)
-        x = tl.load(x_row + cols, mask=inb, other=0.0).to(tl.float32)
+        x = tl.load(x_row + cols, mask=rd, other=0.0).to(tl.float32)
         z = tl.where(keep, x * scale, float("-inf"))
         m_new = tl.maximum(m_vec, z)
         # Lanes that have seen only -inf keep shift 0 so exp(-inf - 0) = 0, never exp(nan).
@@ -129,9 +145,10 @@ def _softmax_fwd_looped_kernel(
     for start in range(0, n_cols, BLOCK_N):
         cols = start + lanes
         inb = cols < n_cols
-        keep = _keep(rows, cols, inb, mask_ptr, m_size1, m_size2, m_stride0, m_stride1, m_stride2,
+        rd = _to_read(rows, cols, inb, q_len, CAUSAL)
+        keep = _keep(rows, cols, rd, mask_ptr, m_size1, m_size2, m_stride0, m_stride1, m_stride2,
                      m_stride_col, q_len, HAS_MASK, CAUSAL)
-        x = tl.load(x_row + cols, mask=inb, other=0.0).to(tl.float32)
+        x = tl.load(x_row + cols, mask=rd, other=0.0).to(tl.float32)
         z = tl.where(keep, x * scale, float("-inf"))
         y = tl.exp(z - m[:, None]) * inv[:, None]
         tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=inb)
@@ -139,16 +156,18 @@ def _softmax_fwd_looped_kernel(
 
 @triton.jit
 def _softmax_bwd_rows_kernel(
-    y_ptr, dy_ptr, dx_ptr, n_rows, n_cols, y_row_stride, dy_row_stride, dx_row_stride, scale,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    y_ptr, dy_ptr, dx_ptr, n_rows, n_cols, y_row_stride, dy_row_stride, dx_row_stride, scale, q_len,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
 ):
-    """dx = scale * y * (dy - sum(dy * y)); masked positions have y = 0, so dx = 0 there."""
+    """dx = scale * y * (dy - sum(dy * y)); masked positions have y = 0, so dx = 0 there (with
+    CAUSAL, y and dy past the diagonal are not even read: y is 0 there)."""
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.arange(0, BLOCK_N)[None, :]
     inb = (rows < n_rows) & (cols < n_cols)
-    y = tl.load(y_ptr + rows * y_row_stride + cols, mask=inb, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + rows * dy_row_stride + cols, mask=inb, other=0.0).to(tl.float32)
+    rd = _to_read(rows, cols, inb, q_len, CAUSAL)
+    y = tl.load(y_ptr + rows * y_row_stride + cols, mask=rd, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + rows * dy_row_stride + cols, mask=rd, other=0.0).to(tl.float32)
     dot = tl.sum(y * dy, axis=1)
     dx = y * (dy - dot[:, None]) * scale
     tl.store(dx_ptr + rows * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=inb)
@@ -156,8 +175,8 @@ def _softmax_bwd_rows_kernel(
 
 @triton.jit
 def _softmax_bwd_looped_kernel(
-    y_ptr, dy_ptr, dx_ptr, n_rows, n_cols, y_row_stride, dy_row_stride, dx_row_stride, scale,
-    BLOCK_N: tl.constexpr,
+    y_ptr, dy_ptr, dx_ptr, n_rows, n_cols, y_row_stride, dy_row_stride, dx_row_stride, scale, q_len,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, BLOCK_N)
@@ -168,15 +187,17 @@ def _softmax_bwd_looped_kernel(
     for start in range(0, n_cols, BLOCK_N):
         cols = start + lanes
         inb = cols < n_cols
-        y = tl.load(y_row + cols, mask=inb, other=0.0).to(tl.float32)
-        dy = tl.load(dy_row + cols, mask=inb, other=0.0).to(tl.float32)
+        rd = _to_read(pid, cols, inb, q_len, CAUSAL)
+        y = tl.load(y_row + cols, mask=rd, other=0.0).to(tl.float32)
+        dy = tl.load(dy_row + cols, mask=rd, other=0.0).to(tl.float32)
         acc += y * dy
     dot = tl.sum(acc, axis=0)
     for start in range(0, n_cols, BLOCK_N):
         cols = start + lanes
         inb = cols < n_cols
-        y = tl.load(y_row + cols, mask=inb, other=0.0).to(tl.float32)
-        dy = tl.load(dy_row + cols, mask=inb, other=0.0).to(tl.float32)
+        rd = _to_read(pid, cols, inb, q_len, CAUSAL)
+        y = tl.load(y_row + cols, mask=rd, other=0.0).to(tl.float32)
+        dy = tl.load(dy_row + cols, mask=rd, other=0.0).to(tl.float32)
         dx = y * (dy - dot) * scale
         tl.store(dx_row + cols, dx.to(dx_ptr.dtype.element_ty), mask=inb)
 
@@ -299,7 +320,7 @@ def _softmax_fwd(x: torch.Tensor, mask: Optional[torch.Tensor], scale: float, ca
     return y
 
 
-def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, scale: float) -> torch.Tensor:
+def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
     shape = y.shape
     dx = torch.empty(shape, dtype=y.dtype, device=y.device)
     n_cols = shape[-1]
@@ -309,15 +330,17 @@ def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, scale: float) -> torch.Tenso
     n_rows = n // n_cols
     y2, y_rs = _rows(y, n_rows, n_cols)
     dy2, dy_rs = _rows(dy, n_rows, n_cols)  # a copy only for odd grads (e.g. stride 0 from .sum())
+    q_len = shape[-2] if len(shape) >= 2 else 1
     cfg = SoftmaxConfig.for_cols(n_cols)
     if cfg.looped:
         _softmax_bwd_looped_kernel[(n_rows,)](
-            y2, dy2, dx, n_rows, n_cols, y_rs, dy_rs, n_cols, scale, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps
+            y2, dy2, dx, n_rows, n_cols, y_rs, dy_rs, n_cols, scale, q_len,
+            BLOCK_N=cfg.block_n, CAUSAL=causal, num_warps=cfg.num_warps,
         )
     else:
         _softmax_bwd_rows_kernel[(triton.cdiv(n_rows, cfg.rows),)](
-            y2, dy2, dx, n_rows, n_cols, y_rs, dy_rs, n_cols, scale,
-            ROWS=cfg.rows, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+            y2, dy2, dx, n_rows, n_cols, y_rs, dy_rs, n_cols, scale, q_len,
+            ROWS=cfg.rows, BLOCK_N=cfg.block_n, CAUSAL=causal, num_warps=cfg.num_warps,
         )
     return dx
 
@@ -338,12 +361,12 @@ def _(x, mask, scale, causal):
 
 
 @torch.library.custom_op("kprof::softmax_bwd", mutates_args=())
-def softmax_bwd_op(y: torch.Tensor, dy: torch.Tensor, scale: float) -> torch.Tensor:
-    return _softmax_bwd(y, dy, scale)
+def softmax_bwd_op(y: torch.Tensor, dy: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    return _softmax_bwd(y, dy, scale, causal)
 
 
 @softmax_bwd_op.register_fake
-def _(y, dy, scale):
+def _(y, dy, scale, causal):
     return torch.empty(y.shape, dtype=y.dtype, device=y.device)
 
 
@@ -359,12 +382,16 @@ class SoftmaxFunction(torch.autograd.Function):
         y = softmax_fwd_op(x, mask, scale, causal) if via_custom_op() else _softmax_fwd(x, mask, scale, causal)
         ctx.save_for_backward(y)
         ctx.scale = scale
+        ctx.causal = causal
         return y
 
     @staticmethod
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
-        dx = softmax_bwd_op(y, dy, ctx.scale) if via_custom_op() else _softmax_bwd(y, dy, ctx.scale)
+        if via_custom_op():
+            dx = softmax_bwd_op(y, dy, ctx.scale, ctx.causal)
+        else:
+            dx = _softmax_bwd(y, dy, ctx.scale, ctx.causal)
         return dx, None, None, None
 
 
@@ -411,7 +438,9 @@ def softmax(
     bfloat16); math in fp32, one rounding on store. Any strides are accepted.
 
     Differences from eager: a fully masked row (every position masked, or every kept logit -inf)
-    gives zeros here, and NaN in eager; its gradient is zero. `scale` is a Python float (no grad).
+    gives zeros here, and NaN in eager; its gradient is zero. With `causal=True` the backward
+    does not read dy past the diagonal (y is 0 there), so a NaN/inf there does not spread into
+    the row's gradient as it does in eager. `scale` is a Python float (no grad).
 
     Backward: dx = scale * y * (dy - sum(dy * y)), reading y and dy once.
     """

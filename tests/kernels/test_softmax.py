@@ -123,6 +123,18 @@ def test_causal_is_top_left(q_len, k_len, device):
     assert_close(y, expected, torch.float32)
 
 
+@pytest.mark.parametrize("shape", [(2, 40, 70), (1, 3, 37, 33), (1, 20, MAX_FUSED_COLS + 40)])
+def test_causal_reads_stop_at_diagonal(shape, device):
+    """Causal reads stop at the diagonal rounded up to 16 columns (in-register and looped paths,
+    forward and backward); what lies past it (here NaN in x) changes nothing, as in eager."""
+    torch.manual_seed(11)
+    x = _randn(shape, torch.float32, device)
+    q_len, k_len = shape[-2], shape[-1]
+    past = ~torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril()
+    y, _ = _check(x.masked_fill(past, float("nan")), scale=0.6, causal=True)
+    assert torch.all(y[..., past] == 0)
+
+
 def test_mask_needing_materialization(device):
     """A 5-D mask whose broadcast strides do not collapse to three leading dims."""
     torch.manual_seed(3)
@@ -372,4 +384,4 @@ def test_custom_ops_opcheck(with_mask, device):
     mask = (torch.rand(2, 1, 1, 10, device=device) > 0.3) if with_mask else None
     torch.library.opcheck(softmax_fwd_op, (x, mask, 0.5, True))
     y = softmax_fwd_op(x, mask, 0.5, True)
-    torch.library.opcheck(softmax_bwd_op, (y, torch.randn_like(y), 0.5))
+    torch.library.opcheck(softmax_bwd_op, (y, torch.randn_like(y), 0.5, True))
