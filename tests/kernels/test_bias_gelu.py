@@ -112,7 +112,15 @@ def test_broadcast_dy(device):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dbias_many_row_tiles_per_group(dtype, device):
     """Each backward program walks several row tiles and several groups write partial rows:
-    exercises the in-program accumulation and the second-level sum together."""
+    exercises the in-program accumulation and the second-level sum together.
+
+    fp32: dbias is checked against the fp64 sum of the kernel's own dx, which isolates the
+    reduction (the kernel accumulates exactly those fp32 values, in fp64): a lost or doubled
+    tile is off by O(1), and an fp32 accumulator over 20000 rows (the first version) drifted
+    past the fp32 tolerance on near-zero columns. Against the fp64 reference, dbias also carries
+    the rounding of 20000 fp32 terms, ~sqrt(20000) * 2^-24 * |term|: half the fp32 atol with
+    correctly rounded terms (measured), so that comparison would test luck, not the kernel; dx
+    is compared with the reference elementwise instead."""
     torch.manual_seed(5)
     shape = (48, 4100) if device == "cpu" else (20000, 4097)
     cfg = StreamConfig.streaming(*shape)
@@ -120,7 +128,16 @@ def test_dbias_many_row_tiles_per_group(dtype, device):
     x, b, dy = _inputs(shape, dtype, device)
     n_groups = bg._n_groups(x, n_row_tiles, triton.cdiv(shape[1], cfg.block_n))
     assert 1 < n_groups < n_row_tiles
-    _check(x, b, dy, "none")
+    if dtype != torch.float32:
+        _check(x, b, dy, "none")
+        return
+    y, dx, db = _run(x, b, dy, "none")
+    xr = x.double().requires_grad_()
+    yr = bg.bias_gelu_reference(xr, b.double(), "none")
+    yr.backward(dy.double())
+    assert_close(y, yr, msg="forward")
+    assert_close(dx, xr.grad, msg="dx")
+    assert_close(db, dx.double().sum(0), msg="dbias vs the sum of the kernel's dx")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -272,3 +289,27 @@ def test_op_costs_from_trace_metas():
     assert registry.op_cost("kprof::bias_gelu_fwd", [x, b]) == c["fwd"]
     assert registry.op_cost("kprof::bias_gelu_bwd", [x, x, b]) == c["bwd"]
     assert c["fwd"] == Cost(flops=11 * 256 * 3072, bytes=2 * (2 * 256 * 3072 + 3072))
+
+
+def test_eager_calls_skip_the_custom_ops(monkeypatch, device):
+    """Eager fwd and bwd launch the kernels directly (a custom-op call costs ~30 us of host time
+    against ~24 us for the bare launch on the H200 machine)."""
+
+    def boom(*args, **kwargs):
+        raise AssertionError("custom op called on the eager path")
+
+    monkeypatch.setattr(bg, "_bias_gelu_fwd_op", boom)
+    monkeypatch.setattr(bg, "_bias_gelu_bwd_op", boom)
+    x, b, dy = _inputs((4, 50), torch.float32, device)
+    y, dx, db = _run(x, b, dy, "tanh")
+    assert dx.shape == x.shape and db.shape == b.shape
+
+
+def test_profiler_sees_custom_ops(device):
+    """While a profiler records, the kernels run as kprof::bias_gelu_* ops with input shapes."""
+    x, b, dy = _inputs((4, 50), torch.float32, device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        _run(x, b, dy, "none")
+    events = {e.name: e for e in prof.events()}
+    assert {"kprof::bias_gelu_fwd", "kprof::bias_gelu_bwd"} <= set(events)
+    assert [list(s) for s in events["kprof::bias_gelu_fwd"].input_shapes[:2]] == [[4, 50], [50]]
