@@ -444,3 +444,66 @@ def test_many_heads_loop(device):
 
     assert not RopeConfig.for_shape(1100, 3, 8).one_tile
     _check(*_make((1, 1100, 3, 2, 16), torch.float32, device))
+
+
+# The interpreter accepts code the compiler rejects and shows no memory instructions, so CPU CI
+# also compiles the kernel for sm_90 ahead of time (in a subprocess without TRITON_INTERPRET;
+# ptxas ships with Triton) and checks its global memory accesses are 16-byte vectors.
+AOT_SCRIPT = r"""
+import os, re, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kprof.kernels import rope
+
+fn = rope._rope_kernel
+ints = [a for a in fn.arg_names if not a.endswith("_ptr")]
+for consts, warps in eval(sys.argv[1]):
+    sig = {a: "constexpr" if a in consts else "*bf16" if a.endswith("_ptr") else "i32" for a in fn.arg_names}
+    # Pointers and the strides/half of the benchmark layouts are multiples of 16 (as the launcher
+    # specializes them); the counts are not.
+    div16 = [i for i, a in enumerate(fn.arg_names)
+             if a not in consts and (a.endswith("_ptr") or (a in ints and "heads" not in a and a != "seq_len"))]
+    src = ASTSource(fn, sig, consts, {(i,): [["tt.divisibility", 16]] for i in div16})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+    mem = re.findall(r"(?:ld|st)\.global[.\w]*", ptx)
+    print("compiled", consts, sorted(set(mem)))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile and run the kernel")
+def test_kernel_compiles_for_sm90_with_vector_accesses():
+    pytest.importorskip("triton.backends.nvidia")
+    import os
+    import subprocess
+    import sys
+
+    from kprof.kernels.rope import RopeConfig
+
+    variants = []
+    for n_q, n_k in ((32, 32), (32, 8), (64, 8)):  # Llama, Llama-3 GQA, Llama-70B: one tile each
+        c = RopeConfig.for_shape(n_q, n_k, 64)
+        assert c.one_tile
+        for bwd in (False, True):
+            variants.append((dict(BLOCK_HQ=c.block_hq, BLOCK_HK=c.block_hk, BLOCK_D=c.block_d, ONE_TILE=True,
+                                  BACKWARD=bwd), c.num_warps))
+    c = RopeConfig.for_shape(40, 8, 128)  # head_dim 256 with 40 heads: heads loop in blocks
+    assert not c.one_tile
+    variants.append((dict(BLOCK_HQ=c.block_hq, BLOCK_HK=c.block_hk, BLOCK_D=c.block_d, ONE_TILE=False,
+                          BACKWARD=False), c.num_warps))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT, repr(variants)], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("compiled")]
+    assert len(lines) == len(variants)
+    for ln in lines:
+        # bf16 in vectors: 16 bytes (v4.b32) for the big tiles; the [8, 64] k tile of GQA has only
+        # 4 elements per thread at 4 warps, so 8 bytes (v2.b32) there. A scalar access (b16, b32)
+        # would mean the alignment/contiguity was lost. (The looped path at BLOCK_D 128 loads its
+        # [1, 128] cos/sin rows as scalars, 1 KB per program from L2; only its q/k tiles are checked.)
+        assert "ld.global.v4.b32" in ln and "st.global.v4.b32" in ln, ln
+        if "'ONE_TILE': True" in ln:
+            assert not any(f"global.{w}'" in ln for w in ("b16", "b32")), ln
