@@ -197,32 +197,29 @@ def _ce_fwd_kernel(
 
 @triton.jit
 def _scale_kernel(
-    grad_ptr,  # contiguous [n_rows, n_cols]
-    scale_ptr,  # fp32: one value (SCALAR) or one per row
+    grad_ptr,  # contiguous
+    scale_ptr,  # fp32: one value (SCALAR) or one per row of a [n_rows, n_cols] grad
     n_rows,
-    n_cols,
+    n_cols,  # SCALAR: n_rows is 1 and n_cols the number of elements (may exceed 2^31)
     SCALAR: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # grad *= scale, in place, skipping tiles whose scale is exactly 1 on the device (no host sync:
+    # grad *= scale, in place, skipping work whose scale is exactly 1 on the device (no host sync:
     # `loss.backward()` passes grad_output = 1, and then this launch moves no data).
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
-    col_blocks = tl.cdiv(n_cols, BLOCK)
-    n_tiles = n_rows * col_blocks
     cols = tl.arange(0, BLOCK)
     if SCALAR:
         s = tl.load(scale_ptr).to(tl.float32)
         if s != 1.0:
-            for tile in range(pid, n_tiles, n_progs):
-                r = tl.zeros([], tl.int64) + tile // col_blocks
-                offs = (tile % col_blocks) * BLOCK + cols
+            for tile in range(pid, tl.cdiv(n_cols, BLOCK), n_progs):
+                offs = (tl.zeros([], tl.int64) + tile) * BLOCK + cols  # flat, int64-safe
                 mask = offs < n_cols
-                p = grad_ptr + r * n_cols + offs
-                g = tl.load(p, mask=mask, other=0.0).to(tl.float32)
-                tl.store(p, (g * s).to(grad_ptr.dtype.element_ty), mask=mask)
+                g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(grad_ptr + offs, (g * s).to(grad_ptr.dtype.element_ty), mask=mask)
     else:
-        for tile in range(pid, n_tiles, n_progs):
+        col_blocks = tl.cdiv(n_cols, BLOCK)
+        for tile in range(pid, n_rows * col_blocks, n_progs):
             r = tile // col_blocks
             s = tl.load(scale_ptr + r).to(tl.float32)
             if s != 1.0:
@@ -385,13 +382,14 @@ def _scale_launch(grad: torch.Tensor, scale: torch.Tensor) -> None:
     if not grad.is_contiguous():
         raise KprofError("internal: the fused gradient buffer should be contiguous")
     scalar = scale.numel() == 1
-    # Tiles of one row each: the row offset is int64 in the kernel, column offsets stay int32
-    # (grad_W of a 256000 x 8192 head has 2.1e9 > 2^31 elements).
-    n_rows = grad.shape[0] if grad.dim() > 1 else 1
-    n_cols = grad.numel() // n_rows
+    # One scale: the grad as one flat run (int64 offsets in the kernel; grad_W of a 256000 x 8192
+    # head has 2.1e9 > 2^31 elements). One scale per row: [rows, cols] tiles.
+    n_rows, n_cols = (1, grad.numel()) if scalar else (grad.shape[0], grad.numel() // grad.shape[0])
     block = 4096 if grad.is_cuda else min(triton.next_power_of_2(n_cols), 8192)
     n_tiles = n_rows * triton.cdiv(n_cols, block)
-    n_prog = n_tiles if not grad.is_cuda else min(n_tiles, 4 * _sm_count_and_l2(grad.device)[0])
+    # GPU: persistent grid (4 programs per SM of 8 warps); interpreter: one program looping (its
+    # cost is per program launched, and a skipped launch then costs one program).
+    n_prog = min(n_tiles, 4 * _sm_count_and_l2(grad.device)[0]) if grad.is_cuda else 1
     _scale_kernel[(max(1, n_prog),)](grad, scale, n_rows, n_cols, SCALAR=scalar, BLOCK=block, num_warps=8 if grad.is_cuda else 4)
 
 
