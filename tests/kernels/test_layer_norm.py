@@ -41,10 +41,12 @@ SHAPES = [
 
 
 def _upcast(t):
-    """The reference runs in fp64 for fp32 inputs, fp32 for half inputs."""
+    """The reference runs in fp64 for every input dtype. (fp32 is not enough for half inputs
+    at N = 1: x - mean is exactly 0 but torch's fp32 layer_norm leaves a rounding residue that
+    rstd = 1/sqrt(eps) amplifies, e.g. dweight 0.011 instead of 0 at |x| ~ 200, fp16.)"""
     if t is None:
         return None
-    return t.to(torch.float64 if t.dtype == torch.float32 else torch.float32)
+    return t.to(torch.float64)
 
 
 def _inputs(shape, dtype, device, affine="weight+bias", p_dtype=None, seed=0, mean=0.5):
@@ -56,12 +58,17 @@ def _inputs(shape, dtype, device, affine="weight+bias", p_dtype=None, seed=0, me
     return x, (w if "weight" in affine else None), (b if "bias" in affine else None)
 
 
-def _check(x, w, b, eps=1e-5):
-    """Forward and backward (dx, dweight, dbias) of the kernel vs the upcast reference."""
+def _check(x, w, b, eps=1e-5, dy_scale=1.0):
+    """Forward and backward (dx, dweight, dbias) of the kernel vs the upcast reference.
+
+    dy is seeded (reproducible failures) and scaled by `dy_scale`: dx scales like dy / std(x),
+    so a test that shrinks x shrinks dy with it to keep dx O(1), where the table's absolute
+    tolerance is meaningful (an O(100) gradient carries fp32 rounding of ~1e-5 absolute)."""
     leaves = [t.detach().requires_grad_() if t is not None else None for t in (x, w, b)]
     x, w, b = leaves
     y = layer_norm(x, w, b, eps)
-    dy = torch.randn_like(y)
+    g = torch.Generator().manual_seed(1234)
+    dy = (torch.randn(y.shape, generator=g) * dy_scale).to(device=y.device, dtype=y.dtype)
     y.backward(dy)
     refs = [_upcast(t.detach()).requires_grad_() if t is not None else None for t in leaves]
     yr = layer_norm_reference(*refs, eps)
@@ -188,7 +195,7 @@ def test_empty(shape, device):
 )
 def test_property_matches_reference(rows, cols, dtype, affine, eps, scale, seed):
     x, w, b = _inputs((rows, cols), dtype, DEVICE, affine, seed=seed)
-    _check((x.float() * scale).to(dtype), w, b, eps)
+    _check((x.float() * scale).to(dtype), w, b, eps, dy_scale=min(scale, 1.0))
 
 
 @settings(max_examples=10, deadline=None)

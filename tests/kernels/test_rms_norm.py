@@ -63,12 +63,17 @@ def _inputs(shape, dtype, device, w_dtype=None, offset=0.0, seed=0):
     return x, w
 
 
-def _check(x, w, eps=1e-6, **kw):
-    """Forward and backward (dx, dweight) of the kernel vs the upcast reference."""
+def _check(x, w, eps=1e-6, dy_scale=1.0, **kw):
+    """Forward and backward (dx, dweight) of the kernel vs the upcast reference.
+
+    dy is seeded (reproducible failures) and scaled by `dy_scale`: dx scales like dy / rms(x),
+    so a test that shrinks x shrinks dy with it to keep dx O(1), where the table's absolute
+    tolerance is meaningful (an O(100) gradient carries fp32 rounding of ~1e-5 absolute)."""
     x = x.detach().requires_grad_()  # keeps x's strides
     w = w.detach().requires_grad_()
     y = rms_norm(x, w, eps, **kw)
-    dy = torch.randn_like(y)
+    g = torch.Generator().manual_seed(1234)
+    dy = (torch.randn(y.shape, generator=g) * dy_scale).to(device=y.device, dtype=y.dtype)
     y.backward(dy)
     xr, wr = _upcast(x.detach()).requires_grad_(), _upcast(w.detach()).requires_grad_()
     yr = rms_norm_reference(xr, wr, eps, **kw)
@@ -258,7 +263,7 @@ def test_empty(shape, device):
 def test_property_matches_reference(rows, cols, dtype, mode, eps, scale, seed):
     casting, offset = mode
     x, w = _inputs((rows, cols), dtype, DEVICE, offset=offset, seed=seed)
-    _check((x.float() * scale).to(dtype), w, eps, casting=casting, offset=offset)
+    _check((x.float() * scale).to(dtype), w, eps, dy_scale=min(scale, 1.0), casting=casting, offset=offset)
 
 
 @settings(max_examples=10, deadline=None)
