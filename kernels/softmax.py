@@ -289,7 +289,10 @@ def _mask_layout(mask: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, t
 _NO_MASK = (1, 1, 0, 0, 0, 0)
 
 
-def _softmax_fwd(x: torch.Tensor, mask: Optional[torch.Tensor], scale: float, causal: bool) -> torch.Tensor:
+def _softmax_fwd(
+    x: torch.Tensor, mask: Optional[torch.Tensor], scale: float, causal: bool, config: Optional[SoftmaxConfig] = None
+) -> torch.Tensor:
+    """`config` overrides the launch parameters (benchmarks/cases/softmax_rope.py sweeps them)."""
     # Host work per call is one torch.empty and one launch for contiguous x (each aten op is
     # ~12 us and a launch ~24 us of host time on the H200 machine, where this path is host-bound).
     shape = x.shape
@@ -305,7 +308,7 @@ def _softmax_fwd(x: torch.Tensor, mask: Optional[torch.Tensor], scale: float, ca
     else:
         mask_t, (z1, z2, s0, s1, s2, sc) = x2, _NO_MASK  # unused pointer
     q_len = shape[-2] if len(shape) >= 2 else 1
-    cfg = SoftmaxConfig.for_cols(n_cols)
+    cfg = config or SoftmaxConfig.for_cols(n_cols)
     if cfg.looped:
         _softmax_fwd_looped_kernel[(n_rows,)](
             x2, y, mask_t, n_rows, n_cols, x_rs, n_cols, scale, z1, z2, s0, s1, s2, sc, q_len,
@@ -320,7 +323,9 @@ def _softmax_fwd(x: torch.Tensor, mask: Optional[torch.Tensor], scale: float, ca
     return y
 
 
-def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+def _softmax_bwd(
+    y: torch.Tensor, dy: torch.Tensor, scale: float, causal: bool, config: Optional[SoftmaxConfig] = None
+) -> torch.Tensor:
     shape = y.shape
     dx = torch.empty(shape, dtype=y.dtype, device=y.device)
     n_cols = shape[-1]
@@ -331,7 +336,7 @@ def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, scale: float, causal: bool) 
     y2, y_rs = _rows(y, n_rows, n_cols)
     dy2, dy_rs = _rows(dy, n_rows, n_cols)  # a copy only for odd grads (e.g. stride 0 from .sum())
     q_len = shape[-2] if len(shape) >= 2 else 1
-    cfg = SoftmaxConfig.for_cols(n_cols)
+    cfg = config or SoftmaxConfig.for_cols(n_cols)
     if cfg.looped:
         _softmax_bwd_looped_kernel[(n_rows,)](
             y2, dy2, dx, n_rows, n_cols, y_rs, dy_rs, n_cols, scale, q_len,
