@@ -26,12 +26,16 @@ Liger last. LigerFusedLinearCrossEntropyLoss takes (weight, hidden, target).
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch.nn.functional as F
 
 from benchmarks.cases import Case
-from kprof.kernels import cross_entropy as _ce
-from kprof.kernels import fused_linear_cross_entropy as _lce
+
+# The modules (a package-level export named cross_entropy would shadow the submodule attribute).
+_ce = importlib.import_module("kprof.kernels.cross_entropy")
+_lce = importlib.import_module("kprof.kernels.fused_linear_cross_entropy")
 
 _N, _V = 8192, 128256  # tokens x Llama-3 vocabulary
 _H = 4096  # Llama-3-8B hidden size

@@ -10,6 +10,8 @@ versus the blocked two-pass path (V = 20000, 50257, 65536, 128256, 256000).
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,11 +20,13 @@ from hypothesis import strategies as st
 
 from kprof.errors import KprofError
 from kprof.kernels import _common, registry
-from kprof.kernels import cross_entropy as ce_mod
 from kprof.kernels._common import assert_close
 from kprof.kernels.cross_entropy import CrossEntropyLoss, cross_entropy, cross_entropy_reference
 from kprof.kernels.registry import TensorMeta
 
+# The module, not the function: a package-level export named cross_entropy would shadow the
+# submodule attribute.
+ce_mod = importlib.import_module("kprof.kernels.cross_entropy")
 HAS_CUDA = torch.cuda.is_available()
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
