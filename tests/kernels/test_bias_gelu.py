@@ -7,6 +7,8 @@ come from the one table in kprof.kernels._common.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import triton
@@ -63,7 +65,22 @@ def _check(x, b, dy, approximate):
     assert dx.shape == x.shape and db.shape == b.shape and db.dtype == b.dtype
     assert_close(y, yr, msg="forward")
     assert_close(dx, xr.grad, msg="dx")
-    assert_close(db, br.grad, msg="dbias")
+    n_rows = math.prod(x.shape[:-1])
+    if x.dtype == torch.float32:
+        # The kernel sums exactly its fp32 dx values in fp64, so this isolates the reduction.
+        dx_sum = dx.double().reshape(n_rows, x.shape[-1]).sum(0)
+        assert_close(db, dx_sum, msg="dbias vs the sum of dx")
+    if x.dtype != torch.float32 or n_rows <= _FP32_DBIAS_REF_ROWS:
+        assert_close(db, br.grad, msg="dbias")
+
+
+# fp32 dbias against the fp64 reference only up to this many rows. Past it, rounding the fp32
+# terms alone (x + bias, gelu', dy * gelu', each correctly rounded, summed exactly) uses most of
+# the fp32 atol on near-zero columns: 0.63 of it at 8192x3072 tanh, seed 0 (measured), and
+# eager fp32 PyTorch fails the comparison there (1.8x; 1.4x at 20000x4097 erf). At 1823 rows
+# (GPU shape) the ideal is 0.23, the kernel in the interpreter 0.50. Larger shapes are covered by
+# dx against the reference elementwise plus dbias against the exact sum of dx.
+_FP32_DBIAS_REF_ROWS = 2048
 
 
 def _inputs(shape, dtype, device, gen=None):
@@ -112,15 +129,9 @@ def test_broadcast_dy(device):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dbias_many_row_tiles_per_group(dtype, device):
     """Each backward program walks several row tiles and several groups write partial rows:
-    exercises the in-program accumulation and the second-level sum together.
-
-    fp32: dbias is checked against the fp64 sum of the kernel's own dx, which isolates the
-    reduction (the kernel accumulates exactly those fp32 values, in fp64): a lost or doubled
-    tile is off by O(1), and an fp32 accumulator over 20000 rows (the first version) drifted
-    past the fp32 tolerance on near-zero columns. Against the fp64 reference, dbias also carries
-    the rounding of 20000 fp32 terms, ~sqrt(20000) * 2^-24 * |term|: half the fp32 atol with
-    correctly rounded terms (measured), so that comparison would test luck, not the kernel; dx
-    is compared with the reference elementwise instead."""
+    exercises the in-program accumulation and the second-level sum together. The first version
+    accumulated in fp32 and drifted past the fp32 tolerance over 20000 rows on the H200; see
+    `_check` for what fp32 dbias is compared with at this size."""
     torch.manual_seed(5)
     shape = (48, 4100) if device == "cpu" else (20000, 4097)
     cfg = StreamConfig.streaming(*shape)
@@ -128,16 +139,7 @@ def test_dbias_many_row_tiles_per_group(dtype, device):
     x, b, dy = _inputs(shape, dtype, device)
     n_groups = bg._n_groups(x, n_row_tiles, triton.cdiv(shape[1], cfg.block_n))
     assert 1 < n_groups < n_row_tiles
-    if dtype != torch.float32:
-        _check(x, b, dy, "none")
-        return
-    y, dx, db = _run(x, b, dy, "none")
-    xr = x.double().requires_grad_()
-    yr = bg.bias_gelu_reference(xr, b.double(), "none")
-    yr.backward(dy.double())
-    assert_close(y, yr, msg="forward")
-    assert_close(dx, xr.grad, msg="dx")
-    assert_close(db, dx.double().sum(0), msg="dbias vs the sum of the kernel's dx")
+    _check(x, b, dy, "none")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
