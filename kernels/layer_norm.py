@@ -31,7 +31,7 @@ import triton.language as tl
 from torch import nn
 
 from kprof.errors import KprofError
-from kprof.kernels._common import interpreter_enabled, use_triton, warn_fallback
+from kprof.kernels._common import interpreter_enabled, use_triton, via_custom_op, warn_fallback
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 from kprof.kernels.rms_norm import MAX_FUSED_N, RowConfig, _cast, backward_grid
 
@@ -408,7 +408,8 @@ def _(dy, x, weight, mean, rstd, compute_dw, compute_db):
 class _LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
-        y, mean, rstd = torch.ops.kprof.layer_norm_fwd(x, weight, bias, eps)
+        fwd = torch.ops.kprof.layer_norm_fwd if via_custom_op() else _launch_fwd  # see _common.via_custom_op
+        y, mean, rstd = fwd(x, weight, bias, eps)
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.w_dtype = weight.dtype if weight is not None else None
         ctx.b_dtype = bias.dtype if bias is not None else None
@@ -419,7 +420,8 @@ class _LayerNormFunction(torch.autograd.Function):
         x, weight, mean, rstd = ctx.saved_tensors
         compute_dw = weight is not None and ctx.needs_input_grad[1]
         compute_db = ctx.b_dtype is not None and ctx.needs_input_grad[2]
-        dx, dw, db = torch.ops.kprof.layer_norm_bwd(dy, x, weight, mean, rstd, compute_dw, compute_db)
+        bwd = torch.ops.kprof.layer_norm_bwd if via_custom_op() else _launch_bwd
+        dx, dw, db = bwd(dy, x, weight, mean, rstd, compute_dw, compute_db)
         return (
             dx if ctx.needs_input_grad[0] else None,
             dw.to(ctx.w_dtype) if compute_dw else None,

@@ -38,7 +38,7 @@ import triton.language as tl
 from torch import nn
 
 from kprof.errors import KprofError
-from kprof.kernels._common import interpreter_enabled, use_triton, warn_fallback
+from kprof.kernels._common import interpreter_enabled, use_triton, via_custom_op, warn_fallback
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -278,10 +278,12 @@ class RowConfig:
         return RowConfig(block_m, block_n, _num_warps(block_m * block_n), False)
 
     @staticmethod
+    @lru_cache(maxsize=256)
     def forward(n_cols: int) -> "RowConfig":
         return RowConfig._for(n_cols, FWD_BLOCK_ELEMS)
 
     @staticmethod
+    @lru_cache(maxsize=256)
     def backward(n_cols: int) -> "RowConfig":
         return RowConfig._for(n_cols, BWD_BLOCK_ELEMS)
 
@@ -457,7 +459,10 @@ def _(dy, x, weight, rstd, ds, offset):
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, offset, casting):
-        y, rstd = torch.ops.kprof.rms_norm_fwd(x, weight, eps, offset, casting)
+        if via_custom_op():
+            y, rstd = torch.ops.kprof.rms_norm_fwd(x, weight, eps, offset, casting)
+        else:  # eager: skip the custom-op dispatch (host cost, see _common.via_custom_op)
+            y, _, rstd = _launch_fwd(x, None, weight, eps, offset, casting)
         ctx.save_for_backward(x, weight, rstd)
         ctx.offset = offset
         return y
@@ -465,7 +470,8 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        dx, dw = torch.ops.kprof.rms_norm_bwd(dy, x, weight, rstd, None, ctx.offset)
+        bwd = torch.ops.kprof.rms_norm_bwd if via_custom_op() else _launch_bwd
+        dx, dw = bwd(dy, x, weight, rstd, None, ctx.offset)
         return (
             dx if ctx.needs_input_grad[0] else None,
             dw if ctx.needs_input_grad[1] else None,
@@ -476,7 +482,8 @@ class _RMSNormFunction(torch.autograd.Function):
 class _RMSNormAddFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, eps, offset, casting):
-        y, s, rstd = torch.ops.kprof.rms_norm_add_fwd(x, residual, weight, eps, offset, casting)
+        fwd = torch.ops.kprof.rms_norm_add_fwd if via_custom_op() else _launch_fwd
+        y, s, rstd = fwd(x, residual, weight, eps, offset, casting)
         ctx.save_for_backward(s, weight, rstd)
         ctx.offset = offset
         return y, s
@@ -485,7 +492,8 @@ class _RMSNormAddFunction(torch.autograd.Function):
     def backward(ctx, dy, ds):
         s, weight, rstd = ctx.saved_tensors
         # d(x + residual) / dx = d(x + residual) / dresidual = 1: one gradient serves both.
-        dx, dw = torch.ops.kprof.rms_norm_bwd(dy, s, weight, rstd, ds, ctx.offset)
+        bwd = torch.ops.kprof.rms_norm_bwd if via_custom_op() else _launch_bwd
+        dx, dw = bwd(dy, s, weight, rstd, ds, ctx.offset)
         return (
             dx if ctx.needs_input_grad[0] else None,
             dx if ctx.needs_input_grad[1] else None,
