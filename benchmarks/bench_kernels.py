@@ -109,6 +109,12 @@ def graph_time_us(step, leaves) -> float:
     return t
 
 
+def _grad_like(t: torch.Tensor) -> torch.Tensor:
+    """The incoming gradient for an output: 1 for a scalar loss (what loss.backward() passes;
+    fused losses exploit it), fresh random data otherwise."""
+    return torch.ones_like(t) if t.dim() == 0 else torch.randn_like(t)
+
+
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
@@ -125,7 +131,7 @@ def check(case, spec, inputs, impl_fn):
     errs = [_rel_err(o.float(), r) for o, r in zip(out, ref_out) if isinstance(o, torch.Tensor)]
     if case.backward:
         pairs = [(o, r) for o, r in zip(out, ref_out) if isinstance(o, torch.Tensor) and o.requires_grad]
-        gs = [torch.randn_like(r) for _, r in pairs]
+        gs = [_grad_like(r) for _, r in pairs]
         torch.autograd.backward([r for _, r in pairs], gs)
         leaves = _grad_leaves(inputs)
         for t in leaves:
@@ -189,7 +195,7 @@ def bench_case(case, copy_bw_gbps, mm_tflops, versions, rows):
         r["fwd"] = triton.testing.do_bench(lambda: fn(**inputs), warmup=25, rep=200, return_mode="median") * 1e3
         if case.backward:
             outs = [o for o in _outputs(fn(**inputs)) if isinstance(o, torch.Tensor) and o.requires_grad]
-            grads = [torch.randn_like(o) for o in outs]
+            grads = [_grad_like(o) for o in outs]
             del outs
             r["fwdbwd"] = triton.testing.do_bench(
                 lambda: _run_fwd_bwd(fn, inputs, grads), warmup=25, rep=200, grad_to_none=leaves, return_mode="median"

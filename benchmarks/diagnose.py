@@ -42,7 +42,7 @@ def main() -> None:
                 pass
         for name, fn in fns.items():
             outs = [o for o in _outputs(fn(**inputs)) if isinstance(o, torch.Tensor) and o.requires_grad]
-            grads = [torch.randn_like(o) for o in outs]
+            grads = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in outs]
             del outs
             step = (lambda: _run_fwd_bwd(fn, inputs, grads)) if case.backward else (lambda: fn(**inputs))
             for _ in range(3):
