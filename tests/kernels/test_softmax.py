@@ -425,7 +425,7 @@ def test_kernels_compile_for_sm90_with_vector_accesses():
     variants = []
     for cols in (8192, 1024, MAX_FUSED_COLS + 1):  # the two benchmark widths, and the looped path
         c = SoftmaxConfig.for_cols(cols)
-        rows = {} if c.looped else {"ROWS": c.rows}
+        rows = {} if c.looped else {"ROWS": c.rows, "IDX64": cols == 1024}  # int64 row indices once
         kind = "looped" if c.looped else "rows"
         for has_mask, causal in ((False, False), (True, True)):
             variants.append((f"_softmax_fwd_{kind}_kernel", dict(
