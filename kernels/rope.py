@@ -21,8 +21,13 @@ cos and sin ([B, S, D], 4 MB each here) are read once per position, not once per
 Layouts: q/k are addressed through their strides, so the usual non-contiguous inputs - a
 `[B, S, H, D]` projection view transposed to `[B, H, S, D]`, or a slice of a fused qkv
 projection - are read in place, without a copy. Outputs are allocated with `torch.empty_like(q)`,
-i.e. in the same memory layout as q when q is dense (as eager's elementwise ops do).
-Only a last-dim stride != 1 forces a copy (and a contiguous output).
+i.e. in the same memory layout as q when q is dense (as eager's elementwise ops do), and the
+backward writes dq, dk in that same layout (so the transpose/view backward of HF's projection
+views needs no copy). Only a last-dim stride != 1 forces a copy (and a contiguous output).
+
+Host work per eager call (the H200 machine's eager path is host-bound, see
+kernels/_common.py::via_custom_op): two output allocations and one launch per direction; no
+view, expand or contiguous ops (tests/kernels/test_rope.py::test_eager_path_launches_directly).
 """
 
 from __future__ import annotations

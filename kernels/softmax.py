@@ -26,6 +26,11 @@ Regimes (chosen by `SoftmaxConfig.for_cols`, the one place launch parameters are
   a per-lane running max and sum (online softmax), pass 2 re-reads x and writes y. That is one
   extra read of x (1.5x the bytes), traded for never spilling registers.
 The backward has the same two regimes (pass 1: sum(y * dy); pass 2: dx).
+
+Host work per eager call (the H200 machine's eager path is host-bound, see
+kernels/_common.py::via_custom_op): one output allocation and one launch per direction for a
+contiguous x; the mask is passed as the bool tensor it is, its broadcast strides computed in
+Python (tests/kernels/test_softmax.py::test_eager_path_launches_directly).
 """
 
 from __future__ import annotations
