@@ -48,8 +48,8 @@ def run_variant(variant: str, preset: str, steps: int, warmup: int) -> dict:
     if variant.startswith("kprof"):
         import kprof
 
-        report = kprof.patch(model, rules="all", strict=True)
-        note = f"patches: {len(report.records)}"
+        report = kprof.patch(model, rules="all")
+        note = "patched (verified at first call; reverted ones are listed by kprof's warning)"
     if variant.endswith("compile"):
         model = torch.compile(model)
     fused = "fused" in inspect.signature(torch.optim.AdamW).parameters
