@@ -89,6 +89,14 @@ def graph_time_us(step, leaves) -> float:
     (an aten op costs ~12 us of host time there; benchmarks/host_overhead.py)."""
     import triton.testing
 
+    # A callable that synchronizes with the host cannot be captured, and a failed capture leaves
+    # the CUDA RNG unusable for the rest of the process (seen 2026-11-29 with Liger's CE). Probe
+    # for syncs first, outside any capture.
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
