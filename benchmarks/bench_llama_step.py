@@ -106,7 +106,19 @@ def main(argv=None) -> int:
     meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"), "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
             "liger": liger_v, "preset": args.preset}
-    rows = []
+    path = Path(args.csv)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def append(row: dict) -> None:
+        new = not path.exists()
+        with path.open("a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=FIELDS)
+            if new:
+                w.writeheader()
+            w.writerow({k: (json.dumps(row[k]) if isinstance(row.get(k), list) else row.get(k, "")) for k in FIELDS})
+
+    rows: list[dict] = []
+    eager = None
     for v in args.variants.split(","):
         p = subprocess.run([sys.executable, __file__, "--one", v, "--preset", args.preset, "--steps", str(args.steps),
                             "--warmup", str(args.warmup)], capture_output=True, text=True)
@@ -115,23 +127,16 @@ def main(argv=None) -> int:
             err = (p.stderr.strip().splitlines() or ["?"])[-1][:200]
             print(f"{v}: FAILED: {err}\n{p.stderr[-2000:]}", flush=True)
             rows.append({**meta, "variant": v, "note": f"failed: {err}"})
+            append(rows[-1])
             continue
         r = json.loads(line[-1][len("RESULT "):])
-        rows.append({**meta, **r})
-        print(f"{v:15s} {r['step_ms_median']:8.1f} ms  peak {r['peak_mem_gib']:6.2f} GiB  losses {r['first_losses']}  {r['note']}", flush=True)
-    eager = next((r["step_ms_median"] for r in rows if r.get("variant") == "eager" and "step_ms_median" in r), None)
-    for r in rows:
-        if eager and "step_ms_median" in r:
+        if v == "eager":
+            eager = r["step_ms_median"]
+        if eager:
             r["speedup_vs_eager"] = round(eager / r["step_ms_median"], 3)
-    path = Path(args.csv)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        if new:
-            w.writeheader()
-        for r in rows:
-            w.writerow({k: (json.dumps(r[k]) if isinstance(r.get(k), list) else r.get(k, "")) for k in FIELDS})
+        rows.append({**meta, **r})
+        append(rows[-1])
+        print(f"{v:15s} {r['step_ms_median']:8.1f} ms  peak {r['peak_mem_gib']:6.2f} GiB  losses {r['first_losses']}  {r['note']}", flush=True)
     print(f"{'variant':15s} {'ms/step':>8s} {'x eager':>8s} {'peak GiB':>9s}")
     for r in rows:
         if "step_ms_median" in r:

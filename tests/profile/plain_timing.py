@@ -11,6 +11,7 @@ import runpy
 import sys
 
 import torch
+import torch.optim.optimizer  # noqa: F401  (the submodule is not imported by `import torch` on every version)
 
 out, script, *args = sys.argv[1:]
 events: list = []
