@@ -48,7 +48,13 @@ def main() -> None:
             for _ in range(3):
                 step()
             torch.cuda.synchronize()
+            m0 = torch.cuda.memory_stats()
             t = triton.testing.do_bench(step, warmup=25, rep=100, grad_to_none=leaves, return_mode="median") * 1e3
+            m1 = torch.cuda.memory_stats()
+            # cudaMalloc/cudaFree inside the timing loop are host time (and implicit syncs) that a
+            # warm training loop would not pay; count them to tell allocator churn from launch cost.
+            mallocs = m1.get("num_device_alloc", 0) - m0.get("num_device_alloc", 0)
+            frees = m1.get("num_device_free", 0) - m0.get("num_device_free", 0)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(args.iters):
                     for x in leaves:
@@ -63,7 +69,7 @@ def main() -> None:
             syncs = sum(1 for e in prof.events() if "Synchronize" in e.name) / args.iters
             host = sum(e.cpu_time_total for e in prof.events() if e.cpu_parent is None and e.device_type == torch.autograd.DeviceType.CPU) / args.iters
             gpu = sum(per_kernel.values())
-            print(f"{case.label:55s} {name:6s} do_bench {t:8.1f} us | kernels {gpu:8.1f} us | host {host:8.1f} us | syncs/iter {syncs:.1f}")
+            print(f"{case.label:55s} {name:6s} do_bench {t:8.1f} us | kernels {gpu:8.1f} us | host {host:8.1f} us | syncs/iter {syncs:.1f} | cudaMalloc {mallocs} cudaFree {frees} in do_bench")
             for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:4]:
                 print(f"      {v:8.1f} us  {k}")
             for x in leaves:
