@@ -13,7 +13,7 @@ state and `state_dict()` keys are exactly as before; `unpatch()` deletes the ins
 
 With `verify=True` (the default) each patch is proven at its first real call: the original and
 the patched code run on copies of that call's arguments, forward and backward, and are compared
-(kprof/verify.py). A patch that fails is reverted on the spot and reported with its measured
+(kprof/verify.py; in bf16/fp16 both against the original code run in fp32). A patch that fails is reverted on the spot and reported with its measured
 error; with `strict=True` the failure raises KprofError instead. Until its first call a patch is
 "pending".
 """
@@ -60,9 +60,12 @@ class _Unit:
             mods = dict(tgt.named_modules())
             self.overrides = [(mods[rel], "forward", fn) for rel, fn in rule.replace(tgt, match.params).items()]
             self.params = [(n, p) for n, p in tgt.named_parameters() if p.requires_grad]
+            # What the fp32 truth run of a half-precision unit upcasts (kprof/verify.py).
+            self.state = list(tgt.parameters()) + [b for b in tgt.buffers() if b.is_floating_point()]
         else:
             self.overrides = [(tgt, match.attr, rule.replace_fn(getattr(tgt, match.attr), match.params))]
             self.params = []
+            self.state = []
         self.entry = (tgt, match.attr)
         self.saved = [(o, a, o.__dict__.get(a, _MISSING)) for o, a, _ in self.overrides]
         if not any((o, a) == self.entry for o, a, _ in self.overrides):
@@ -124,7 +127,7 @@ class _Unit:
         try:
             v = verify_call(self._original_entry(), self._patched_entry(), args, kwargs,
                             [p for _, p in self.params], select=self.match.rule.outputs,
-                            param_names=[n for n, _ in self.params])
+                            param_names=[n for n, _ in self.params], state=self.state)
         finally:
             self.busy = False
         self.record.verification = v

@@ -94,7 +94,9 @@ def _build(name: str) -> nn.Module:
 
 def _loss(name: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if name == "repo_gpt":
-        return model(x[:, :-1], x[:, 1:])[1]
+        # Contiguous, as examples/gpt_train.py's batches are: its forward calls targets.view(-1),
+        # which a (B>1, T) column slice can't satisfy (the H200 failure of 2026-11-29 at B=4).
+        return model(x[:, :-1].contiguous(), x[:, 1:].contiguous())[1]
     return model(input_ids=x, labels=x).loss
 
 
