@@ -59,7 +59,14 @@ def module_table(ops: pd.DataFrame, module_classes: dict | None = None) -> pd.Da
     Paths come from the ops and from the run's `module_classes` (modules that run no op of
     their own, like a container MLP, are still parents), plus every ancestor."""
     fwd = ops[(ops["phase"] == "fwd") & ~ops["module"].isin(_SKIP_MODULES)]
-    own = fwd.assign(_n=op_base(fwd["op"])).groupby("module", sort=False)["_n"].agg(lambda s: frozenset(s))
+    names = op_base(fwd["op"])
+    if "called_op" in fwd:
+        # A GPU profile has rows only for ops that launch kernels: the op the code called (e.g.
+        # scaled_dot_product_attention, whose math backend launches bmm/_softmax) is kept beside
+        # them, so patterns see the same names as on a CPU profile, where every op is a row.
+        names = pd.concat([names, op_base(fwd["called_op"].fillna(fwd["op"]))])
+    own = (pd.DataFrame({"module": fwd["module"].reindex(names.index).to_numpy(), "_n": names.to_numpy()})
+           .groupby("module", sort=False)["_n"].agg(lambda s: frozenset(s)))
     cls = dict(module_classes or {})
     cls.update(ops.drop_duplicates("module").set_index("module")["module_class"].to_dict())
     seen: dict[str, None] = {}

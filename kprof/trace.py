@@ -94,7 +94,7 @@ SHORT_DTYPES = {
 OP_COLUMNS = [
     "step", "module", "module_class", "phase", "op", "input_shapes", "input_dtypes", "input_strides",
     "concrete_inputs", "input_types", "shapes", "dtype", "device_time (us)", "n_kernels", "kernel",
-    "op_id", "parent_id", "ts (us)", "dur (us)", "tid",
+    "op_id", "parent_id", "ts (us)", "dur (us)", "tid", "called_op",
 ]
 
 
@@ -653,6 +653,17 @@ def op_table(events: TraceEvents) -> pd.DataFrame:
         return int(p)
 
     rows["parent_id"] = [table_parent(i) if i >= 0 else -1 for i in rows["op_id"]]
+    # called_op: the outermost op around the row, i.e. the call the Python code made. On a GPU
+    # trace only kernel-launching ops are rows, so SDPA's math backend shows as bmm/_softmax rows
+    # with no trace of aten::scaled_dot_product_attention; kprof suggest reads this to tell that
+    # from hand-written attention.
+    top = np.arange(len(op_parent))
+    for _ in range(32):  # op nesting depth is < 10 in practice
+        up = op_parent[top]
+        if (up < 0).all():
+            break
+        top = np.where(up >= 0, up, top)
+    rows["called_op"] = np.where(valid & is_op[hh], names[top[hh]], rows["op"])
     return rows[OP_COLUMNS].sort_values(["step", "ts (us)"], kind="stable").reset_index(drop=True)
 
 

@@ -63,6 +63,25 @@ def test_patterns_match_by_ops():
     assert by["linear_gelu"] == []
 
 
+def test_sdpa_math_backend_on_gpu_is_not_hand_written_attention():
+    """A GPU profile has rows only for kernel-launching ops: SDPA's math backend (fp32 with GQA:
+    no flash, cuDNN or memory-efficient kernel takes it) shows as bmm/_softmax rows. `called_op`
+    (the op the code called) tells it from hand-written attention, which calls matmul/softmax."""
+    def attn(path, called):
+        return [_op(f"{path}.{p}_proj", "Linear", "aten::mm", op_id=60 + i) for i, p in enumerate("qkvo")] + [
+            _op(path, "Attn", "aten::bmm", op_id=70) | {"called_op": called[0]},
+            _op(path, "Attn", "aten::_softmax", op_id=71) | {"called_op": called[1]},
+            _op(path, "Attn", "aten::bmm", op_id=72) | {"called_op": called[0]}]
+
+    rule = next(r for r in RULES if r.id == "attention_sdpa_code")
+    sdpa = pd.DataFrame(attn("a", ["aten::scaled_dot_product_attention"] * 2))
+    eager = pd.DataFrame(attn("a", ["aten::matmul", "aten::softmax"]))
+    assert match_pattern(rule.profile, module_table(sdpa, {})) == []
+    assert match_pattern(rule.profile, module_table(eager, {})) == ["a"]
+    # a run saved before the column existed still reads (rows only)
+    assert match_pattern(rule.profile, module_table(eager.drop(columns="called_op"), {})) == ["a"]
+
+
 def test_evidence_takes_selected_ops_with_their_nested_children():
     ops = _table()
     t = module_table(ops, {})
@@ -138,6 +157,11 @@ def test_suggest_on_repo_gpt(gpt_run):
 
 
 def test_suggest_on_hf_llama(llama_run):
+    # The example builds the model with attn_implementation="sdpa"; rows inside SDPA name it as
+    # the op the code called (on a GPU the SDPA op itself launches no kernel and is no row).
+    ops = llama_run.ops
+    attn = ops[(ops["module"] == "model.layers.0.self_attn") & (ops["phase"] == "fwd")]
+    assert "aten::scaled_dot_product_attention" in set(attn["called_op"])
     w = _where(suggest(llama_run))
     assert w == {
         "rms_norm": ["model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
