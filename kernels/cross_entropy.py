@@ -480,6 +480,16 @@ def _reduce(loss_rows: torch.Tensor, target: torch.Tensor, ignore_index: int, re
     return loss_rows
 
 
+def _cast_result(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` in `dtype`, for an autograd.Function forward's return value: `t` itself when the dtype
+    already matches, never a `.to()` of it. `t.to(t.dtype)` returns `t`, a second name for the
+    same tensor, and torch 2.11's dynamo (pytorch#180642, fixed in 2.12 by pytorch#180921) adds
+    such an alias of the returned tensor as an extra output of the traced forward; autograd then
+    routes the loss's gradient to that extra output and the backward sees grad_output = 0 (H200
+    run, 2026-11-29: every fp32 grad of CE and linear+CE under torch.compile was 0)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 class _CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ignore_index, label_smoothing, reduction, z_loss, softcap, inplace_grad, need_grad):
@@ -499,7 +509,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         if need_grad:
             ctx.save_for_backward(grad)
         ctx.reduction = reduction
-        return _reduce(loss_rows, target, ignore_index, reduction).to(logits.dtype)
+        return _cast_result(_reduce(loss_rows, target, ignore_index, reduction), logits.dtype)
 
     @staticmethod
     def backward(ctx, grad_output):

@@ -50,6 +50,7 @@ from kprof.kernels._common import use_triton, warn_fallback
 from kprof.kernels.cross_entropy import (
     _DTYPES,
     _FWD_FLOPS_PER_LOGIT,
+    _cast_result,
     _ce_fwd_launch,
     _check_options,
     _check_target_values,
@@ -277,7 +278,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             )
             ctx.save_for_backward(gh, gw, gb)
             ctx.need = (need_gh, need_gw, need_gb)
-        return _reduce(loss_rows, target, ignore_index, reduction).to(hidden.dtype)
+        return _cast_result(_reduce(loss_rows, target, ignore_index, reduction), hidden.dtype)
 
     @staticmethod
     def backward(ctx, grad_output):

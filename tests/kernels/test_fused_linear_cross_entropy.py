@@ -24,6 +24,9 @@ from kprof.kernels.fused_linear_cross_entropy import (
 )
 from kprof.kernels.registry import TensorMeta
 
+# Same directory, no package: pytest puts tests/kernels on sys.path (rootdir conftest, prepend).
+from test_cross_entropy import emulate_torch211_function_tracing  # noqa: E402
+
 HAS_CUDA = torch.cuda.is_available()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -240,8 +243,11 @@ def test_deterministic(device):
     assert torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
 
 
+@pytest.mark.parametrize("tracing", ["installed", "torch2.11"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_torch_compile_fullgraph(reduction, device):
+def test_torch_compile_fullgraph(reduction, tracing, device, monkeypatch):
+    if tracing == "torch2.11":  # see test_cross_entropy: grads were all 0 under torch 2.11
+        emulate_torch211_function_tracing(monkeypatch)
     hidden, weight, bias, target = _inputs(12, 8, 40, torch.float32, device, bias=True)
 
     def f(h, w, b, t):
@@ -256,6 +262,21 @@ def test_torch_compile_fullgraph(reduction, device):
         outs.append([loss.detach()] + [x.grad for x in leaves])
     for a, b in zip(*outs):
         assert_close(b, a)
+
+
+def test_custom_ops_opcheck(device):
+    # Schema, fake impls against the real outputs (incl. the empty placeholders for grads not
+    # requested) and AOT dispatch for the ops torch.compile sees.
+    hidden, weight, bias, target = _inputs(5, 8, 40, torch.float32, device, bias=True)
+    scale = torch.tensor(0.25, device=device)
+    ops = torch.ops.kprof
+    cases = [
+        (ops.linear_cross_entropy_fwd.default, (hidden, weight, bias, target, scale, -100, 0.1, 0.0, 0.0, True, True, True, 2, False)),
+        (ops.linear_cross_entropy_fwd.default, (hidden, weight, None, target, scale, -100, 0.0, 0.0, 0.0, True, False, False, 0, True)),
+        (ops.linear_cross_entropy_bwd.default, (hidden, weight, bias, target, torch.rand(5, device=device), -100, 0.0, 1e-3, 0.0, True, True, True, 3, False)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
 
 
 def test_module_matches_function(device):
