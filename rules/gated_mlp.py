@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kprof.rules.engine import ProfilePattern, Rule, behaves_like, kernel_fn, param_like, probe_input
+from kprof.rules.engine import ProfilePattern, Rule, closest, kernel_fn, param_like, probe_input
 from kprof.rules.problems import first_shape
 
 SWIGLU, GEGLU = "glu:swiglu", "glu:geglu"
@@ -43,12 +43,13 @@ def match(path: str, m: nn.Module) -> dict | None:
         return None
     device, dtype = param_like(m)
     x = probe_input((2, 3, a.in_features), device, dtype)
-    for gate, up in ((ups[0], ups[1]), (ups[1], ups[0])):
-        g, u = lin[gate], lin[up]
-        for act, f in _ACTS.items():
-            if behaves_like(lambda: m.forward(x), lambda: d(f(g(x)) * u(x)), dtype):
-                return {"gate": gate, "up": up, "down": downs[0], "act": act}
-    return None
+    cands = {(gate, up, act): (lambda g=lin[gate], u=lin[up], f=f: d(f(g(x)) * u(x)))
+             for gate, up in ((ups[0], ups[1]), (ups[1], ups[0])) for act, f in _ACTS.items()}
+    best = closest(lambda: m.forward(x), cands, dtype)
+    if best is None:
+        return None
+    gate, up, act = best
+    return {"gate": gate, "up": up, "down": downs[0], "act": act}
 
 
 def replace(m: nn.Module, p: dict) -> dict:

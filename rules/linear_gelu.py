@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kprof.rules.engine import ProfilePattern, Rule, behaves_like, kernel_fn, param_like, probe_input, reference_fn
+from kprof.rules.engine import ProfilePattern, Rule, behaves_like, closest, kernel_fn, param_like, probe_input, reference_fn
 from kprof.rules.problems import first_shape
 
 KERNEL = "bias_gelu:bias_gelu"
@@ -67,14 +67,17 @@ def match(path: str, m: nn.Module) -> dict | None:
         lin = kids[lin_name]
         x = probe_input((2, 3, _in_features(lin, kind)), device, dtype, seed=2)
         mm = _no_bias(lin, kind)
+        cands = {}
         for act_name in acts:
-            for approximate in ("tanh", "none"):
-                def patched(lin=lin, mm=mm, act_name=act_name, approximate=approximate):
+            for approximate in ("tanh", "none"):  # in bf16 both may pass: the closest is the module's
+                def patched(lin=lin, mm=mm, act_name=act_name, approximate=approximate, x=x):
                     with _overridden(m, {lin_name: lambda t: ref(mm(t), lin.bias, approximate=approximate),
                                          act_name: lambda t: t}):
                         return m.forward(x)
-                if behaves_like(lambda: m.forward(x), patched, dtype):
-                    return {"linear": lin_name, "kind": kind, "act": act_name, "approximate": approximate}
+                cands[(act_name, approximate)] = patched
+        best = closest(lambda x=x: m.forward(x), cands, dtype)
+        if best is not None:
+            return {"linear": lin_name, "kind": kind, "act": best[0], "approximate": best[1]}
     return None
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from kprof.rules.engine import ProfilePattern, Rule, behaves_like, eps_of, param_like, probe_input, reference_fn
+from kprof.rules.engine import ProfilePattern, Rule, closest, eps_of, param_like, probe_input, reference_fn
 from kprof.rules.problems import rows_cols_from_first_input
 
 KERNEL = "rms_norm:rms_norm"
@@ -34,10 +34,12 @@ def match(path: str, m: nn.Module) -> dict | None:
         return None
     device, dtype = param_like(m)
     x = probe_input((2, 3, w.shape[0]), device, dtype)
-    for offset, casting in _VARIANTS:
-        if behaves_like(lambda: m.forward(x), lambda: ref(x, w, eps, offset=offset, casting=casting), dtype):
-            return {"eps": eps, "offset": offset, "casting": casting}
-    return None
+    cands = {(offset, casting): (lambda o=offset, c=casting: ref(x, w, eps, offset=o, casting=c))
+             for offset, casting in _VARIANTS}
+    best = closest(lambda: m.forward(x), cands, dtype)
+    if best is None:
+        return None
+    return {"eps": eps, "offset": best[0], "casting": best[1]}
 
 
 def replace(m: nn.Module, p: dict) -> dict:

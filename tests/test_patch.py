@@ -199,12 +199,13 @@ def test_strict_raises_on_failed_verification(monkeypatch):
 # Half precision: judged against the original code run in fp32 (kprof/verify.py).
 
 
-def test_bf16_verification_uses_fp32_truth_and_restores_parameters():
-    model = _build("llama").to(torch.bfloat16)
+@pytest.mark.parametrize("name", ["llama", "gemma"])  # gemma: GELU-tanh gated MLP, offset-1 RMSNorm, tied head
+def test_bf16_verification_uses_fp32_truth_and_restores_parameters(name):
+    model = _build(name).to(torch.bfloat16)
     before = [(id(p), p.dtype, p.detach().clone()) for p in model.parameters()]
     report = kprof_patch(model)
-    _loss("llama", model, torch.randint(0, V, (B, T + 1))).backward()
-    assert {r.rule for r in report.records} == set(EXPECTED["llama"]), str(report)
+    _loss(name, model, torch.randint(0, V, (B, T + 1))).backward()
+    assert {r.rule for r in report.records} == set(EXPECTED[name]), str(report)
     for r in report.records:
         v = r.verification
         assert r.status == "verified" and v.method == "fp32 truth", str(report)

@@ -138,3 +138,38 @@ def test_rule_ids_are_unique_and_kernels_resolve():
     assert len(ids) == len(set(ids))
     missing = {r.id: r.missing_kernels() for r in RULES if r.missing_kernels()}
     assert missing == {}, f"rules naming kernels this install lacks: {missing}"
+
+
+class _GatedMLP(nn.Module):
+    def __init__(self, act, h=64, i=128):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(h, i, bias=False), nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+        for lin in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(lin.weight, std=0.02)  # HF's init: outputs ~1e-3, far under bf16 atol 1e-2
+        self.act = act
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+@pytest.mark.parametrize("act, expected", [(F.silu, "silu"), (lambda t: F.gelu(t, approximate="tanh"), "gelu_tanh"),
+                                           (F.gelu, "gelu")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_mlp_probe_finds_the_modules_own_activation_in_bf16(act, expected, dtype):
+    # Before the relative-norm probe, bf16 matched a GELU-tanh MLP (Gemma's) as SiLU: at outputs
+    # ~1e-3 every activation passed allclose(atol=1e-2), and the SiLU kernel was then wrong by
+    # 8.6% on the gate weight grad (caught by the fp32-truth verification).
+    torch.manual_seed(0)
+    m = _GatedMLP(act).to(dtype)
+    (hit,) = find_matches(nn.Sequential(m), [r for r in RULES if r.id == "gated_mlp"])
+    assert hit.params["act"] == expected
+
+
+def test_behaves_like_is_scale_free():
+    from kprof.rules.engine import behaves_like
+
+    x = probe_input((4, 64), "cpu", torch.bfloat16)
+    small = 1e-3  # outputs this small are all within atol 1e-2 of each other
+    assert not behaves_like(lambda: F.silu(x) * small, lambda: F.gelu(x) * small, torch.bfloat16)
+    assert behaves_like(lambda: F.silu(x) * small, lambda: (F.silu(x.float()) * small).bfloat16(), torch.bfloat16)
