@@ -6,12 +6,17 @@ in x's dtype (the weight and bias may be another float dtype, as under autocast)
 Napkin math, H200 (4.27 TB/s measured copy bandwidth), bf16, x of 16384 x 4096 (128 MiB):
   forward:  read x, write y                 = 2 x 134.2 MB = 268 MB -> floor  63 us
   backward: read x, dy; write dx            = 3 x 134.2 MB = 403 MB -> floor  94 us
-            (+ mean and rstd 2 x 64 KB, the dweight and dbias partials 2 x 264 x 4096 x 4 B
-            = 8.7 MB, written and read once)
+            (+ mean and rstd 2 x 64 KB, the fp64 dweight and dbias partials 2 x 264 x 4096 x 8 B
+            = 17.3 MB, written and read once)
   targets 70 / 200 us fwd / fwd+bwd. As in rms_norm, the backward is one pass: each program
   of a persistent grid walks a contiguous chunk of rows, keeps its dweight and dbias partial
   sums in registers and writes them once; a small torch reduction sums the partials. No
-  atomics: bitwise deterministic on a given device.
+  atomics: bitwise deterministic on a given device. The partial sums are fp64 (see rms_norm:
+  fp32 ones failed fp32 dweight against the fp64 reference at 16384x4096 on the H200), so
+  dweight and dbias are the exact sums of the kernel's fp32 terms, rounded once. Register cost
+  (sm_90 ptxas, Triton 3.9, bf16, weight and bias): spill 40 -> 0 B per thread at 781 columns,
+  none at 4096, 0 -> 112 B at 8192, 888 -> 1796 B at 16384, 0 -> 8 B on the looped path; the
+  wide-row cases are not yet measured on the H200.
 
 The launch configuration (`RowConfig`, the persistent grid) is shared with rms_norm so both
 norms are tuned in one place. Rows up to MAX_FUSED_N are held in registers (x read once);
@@ -150,8 +155,8 @@ def _layer_norm_bwd_kernel(
         col_mask = cols < n_cols
         if HAS_WEIGHT:
             w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-        dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float64)
+        db_acc = tl.zeros([BLOCK_N], dtype=tl.float64)
         for row0 in range(row_start, row_end, BLOCK_M):
             rows = row0 + tl.arange(0, BLOCK_M)
             row_mask = rows < row_end
@@ -177,13 +182,13 @@ def _layer_norm_bwd_kernel(
             # (Accumulating dw/db before the reductions, as rms_norm does, made ptxas spill 8 B
             # per thread here at 4096 columns, bf16, sm_90: kept after.)
             if COMPUTE_DW:
-                dw_acc += dy * x_hat
+                dw_acc += tl.sum((dy * x_hat).to(tl.float64), axis=0)
             if COMPUTE_DB:
-                db_acc += dy
+                db_acc += tl.sum(dy.to(tl.float64), axis=0)
         if COMPUTE_DW:
-            tl.store(DW_PART + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+            tl.store(DW_PART + pid * n_cols + cols, dw_acc, mask=col_mask)
         if COMPUTE_DB:
-            tl.store(DB_PART + pid * n_cols + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+            tl.store(DB_PART + pid * n_cols + cols, db_acc, mask=col_mask)
     else:
         # Phase A: per row, c1 = mean(g * x_hat), c2 = mean(g) and the mean's re-centering
         # corr = mean(x - mean) (see the in-register branch), into the fp32 scratch
@@ -225,8 +230,8 @@ def _layer_norm_bwd_kernel(
             col_mask = cols < n_cols
             if HAS_WEIGHT:
                 w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-            dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            dw_acc = tl.zeros([BLOCK_N], dtype=tl.float64)
+            db_acc = tl.zeros([BLOCK_N], dtype=tl.float64)
             for row0 in range(row_start, row_end, BLOCK_M):
                 rows = row0 + tl.arange(0, BLOCK_M)
                 row_mask = rows < row_end
@@ -247,13 +252,13 @@ def _layer_norm_bwd_kernel(
                 dx = (g - c2[:, None] - x_hat * c1[:, None]) * rstd[:, None]
                 tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], _cast(dx, DX.dtype.element_ty, EMULATE_RTNE), mask=mask)
                 if COMPUTE_DW:
-                    dw_acc += dy * x_hat
+                    dw_acc += tl.sum((dy * x_hat).to(tl.float64), axis=0)
                 if COMPUTE_DB:
-                    db_acc += dy
+                    db_acc += tl.sum(dy.to(tl.float64), axis=0)
             if COMPUTE_DW:
-                tl.store(DW_PART + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+                tl.store(DW_PART + pid * n_cols + cols, dw_acc, mask=col_mask)
             if COMPUTE_DB:
-                tl.store(DB_PART + pid * n_cols + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+                tl.store(DB_PART + pid * n_cols + cols, db_acc, mask=col_mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,8 +343,8 @@ def _launch_bwd(dy, x, weight, mean, rstd, compute_dw, compute_db):
     n_rows = x2.shape[0]
     cfg = RowConfig.backward(n_cols)
     n_programs, rows_per_program = backward_grid(n_rows, cfg, x.device)
-    dw_part = torch.empty((n_programs, n_cols) if compute_dw else (1,), dtype=torch.float32, device=x.device)
-    db_part = torch.empty((n_programs, n_cols) if compute_db else (1,), dtype=torch.float32, device=x.device)
+    dw_part = torch.empty((n_programs, n_cols) if compute_dw else (1,), dtype=torch.float64, device=x.device)
+    db_part = torch.empty((n_programs, n_cols) if compute_db else (1,), dtype=torch.float64, device=x.device)
     # Per-row scratch (c1, c2, corr) for the looped path only; a dummy otherwise.
     c = torch.empty(3 * n_rows if cfg.loop else 1, dtype=torch.float32, device=x.device)
     _layer_norm_bwd_kernel[(n_programs,)](
@@ -352,8 +357,8 @@ def _launch_bwd(dy, x, weight, mean, rstd, compute_dw, compute_db):
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
     )
     # Second stage of the dw/db reductions: fixed order over n_programs rows, deterministic.
-    dw = dw_part.sum(0) if compute_dw else dw_part.new_zeros(0)
-    db = db_part.sum(0) if compute_db else db_part.new_zeros(0)
+    dw = dw_part.sum(0).float() if compute_dw else x.new_zeros(0, dtype=torch.float32)
+    db = db_part.sum(0).float() if compute_db else x.new_zeros(0, dtype=torch.float32)
     return dx, dw, db
 
 

@@ -12,12 +12,22 @@ Here the forward is one kernel and the backward one kernel plus a tiny reduction
 Napkin math, H200 (4.27 TB/s measured copy bandwidth), bf16, x of 16384 x 4096 (128 MiB):
   forward:  read x, write y                 = 2 x 134.2 MB = 268 MB -> floor  63 us
   backward: read x, dy; write dx            = 3 x 134.2 MB = 403 MB -> floor  94 us
-            (+ rstd 64 KB, weight 8 KB, the dweight partials 264 x 4096 x 4 B = 4.3 MB twice)
+            (+ rstd 64 KB, weight 8 KB, the dweight partials 264 x 4096 x 8 B = 8.7 MB twice)
   fwd+bwd floor 157 us; kprof targets 70 / 200 us (Liger 0.6: 70 / 680 us; torch.compile
   132 / 739 us, figures from the issue). The backward reaches one pass because dweight is
   accumulated per program in registers over a contiguous chunk of rows (persistent grid of
-  ~2 programs per SM) and the [n_programs, N] fp32 partials are summed by one small
-  torch reduction afterwards: no atomics, so it is bitwise deterministic on a given device.
+  ~2 programs per SM) and the [n_programs, N] partials are summed by one small torch
+  reduction afterwards: no atomics, so it is bitwise deterministic on a given device.
+
+dweight precision: the fp32 terms dy * x_hat are accumulated in fp64 (per program, and across
+programs), then rounded once. With fp32 partials, fp32 dweight failed the fp64 reference on the
+H200 (2026-11-29) at 1823x781 and 16384x4096: the rounding of a running fp32 sum over the
+rows grows with the row count, not with |dweight|, and near-zero columns have only the fp32
+atol. Now dweight is the exact sum of the kernel's own fp32 terms (tests check this). Cost,
+sm_90 ptxas (Triton 3.9): registers per thread unchanged or lower up to 8192 columns (the fp64
+accumulator is one [BLOCK_N] row, reduced over the block's rows each step, where the fp32 one
+was [BLOCK_M, BLOCK_N]); at 16384 columns the spill grows from 188 to 472 B per thread (bf16),
+not yet measured on the H200.
 
 Regimes (see `RowConfig`): rows up to MAX_FUSED_N columns are held whole in registers (x is
 read once); wider rows loop over BLOCK_N-column tiles and read x twice per pass (the second
@@ -168,7 +178,7 @@ def _rms_norm_bwd_kernel(
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < n_cols
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
-        dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float64)
         for row0 in range(row_start, row_end, BLOCK_M):
             rows = row0 + tl.arange(0, BLOCK_M)
             row_mask = rows < row_end
@@ -181,14 +191,14 @@ def _rms_norm_bwd_kernel(
             # dw first, so dy is dead before the row reduction: shorter live ranges, 128 -> 115
             # registers per thread at 4096 columns (sm_90, ptxas of Triton 3.9; 128 is the cap
             # at 16 warps). At 16384 columns it still spills ~200 B per thread.
-            dw_acc += dy * x_hat  # masked rows/cols load 0, contribute 0
+            dw_acc += tl.sum((dy * x_hat).to(tl.float64), axis=0)  # masked rows/cols load 0, contribute 0
             g = dy * w[None, :]
             c = tl.sum(g * x_hat, axis=1) / n_cols
             dx = (g - x_hat * c[:, None]) * rstd[:, None]
             if HAS_DS:
                 dx += tl.load(DS + rows64[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], _cast(dx, DX.dtype.element_ty, EMULATE_RTNE), mask=mask)
-        tl.store(DW_PART + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+        tl.store(DW_PART + pid * n_cols + cols, dw_acc, mask=col_mask)
     else:
         # Phase A: c = mean(g * x_hat) of every row of the chunk, into the fp32 scratch C.
         for row0 in range(row_start, row_end, BLOCK_M):
@@ -213,7 +223,7 @@ def _rms_norm_bwd_kernel(
             cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < n_cols
             w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
-            dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            dw_acc = tl.zeros([BLOCK_N], dtype=tl.float64)
             for row0 in range(row_start, row_end, BLOCK_M):
                 rows = row0 + tl.arange(0, BLOCK_M)
                 row_mask = rows < row_end
@@ -228,8 +238,8 @@ def _rms_norm_bwd_kernel(
                 if HAS_DS:
                     dx += tl.load(DS + rows64[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
                 tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], _cast(dx, DX.dtype.element_ty, EMULATE_RTNE), mask=mask)
-                dw_acc += dy * x_hat
-            tl.store(DW_PART + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+                dw_acc += tl.sum((dy * x_hat).to(tl.float64), axis=0)
+            tl.store(DW_PART + pid * n_cols + cols, dw_acc, mask=col_mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -248,8 +258,8 @@ LOOP_BLOCK_N = 4096
 FWD_BLOCK_ELEMS = 4096
 BWD_BLOCK_ELEMS = 8192
 MAX_BLOCK_M = 64
-# Persistent backward grid: programs per SM. The dw partial buffer is
-# n_programs x N x 4 bytes (264 x 4096 x 4 = 4.3 MB on an H200), written and read once.
+# Persistent backward grid: programs per SM. The fp64 dw partial buffer is
+# n_programs x N x 8 bytes (264 x 4096 x 8 = 8.7 MB on an H200), written and read once.
 BWD_PROGRAMS_PER_SM = 2
 # The interpreter (CPU CI) has no SMs; 4 programs exercise the cross-program dw reduction.
 INTERPRETER_SM_COUNT = 4
@@ -391,7 +401,7 @@ def _launch_bwd(dy, x, weight, rstd, ds, offset):
     n_rows = x2.shape[0]
     cfg = RowConfig.backward(n_cols)
     n_programs, rows_per_program = backward_grid(n_rows, cfg, x.device)
-    dw_part = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device)
+    dw_part = torch.empty((n_programs, n_cols), dtype=torch.float64, device=x.device)
     # Per-row scratch for the looped path only (c = mean(g * x_hat)); a dummy otherwise.
     c = torch.empty(n_rows if cfg.loop else 1, dtype=torch.float32, device=x.device)
     _rms_norm_bwd_kernel[(n_programs,)](
@@ -402,7 +412,8 @@ def _launch_bwd(dy, x, weight, rstd, ds, offset):
         EMULATE_RTNE=interpreter_enabled(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
     )
-    # Second stage of the dw reduction: n_programs x N fp32, a fixed order, so deterministic.
+    # Second stage of the dw reduction: n_programs x N fp64, a fixed order, so deterministic;
+    # one rounding to the weight's dtype.
     return dx, dw_part.sum(0).to(weight.dtype)
 
 
