@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kprof.rules.engine import ProfilePattern, Rule, closest, kernel_fn, param_like, probe_input
-from kprof.rules.problems import first_shape
+from kprof.rules.problems import rows_cols_from_first_input
 
 SWIGLU, GEGLU = "glu:swiglu", "glu:geglu"
 
@@ -68,18 +68,6 @@ def replace(m: nn.Module, p: dict) -> dict:
     return {"": forward}
 
 
-def problem(ops) -> dict | None:
-    # Evidence ops are the activation and the multiply; the activation's input is the gate (…, I).
-    got = first_shape(ops)
-    if got is None:
-        return None
-    shape, dtype = got
-    n_rows = 1
-    for s in shape[:-1]:
-        n_rows *= s
-    return {"n_rows": n_rows, "n_cols": shape[-1], "dtype": dtype}
-
-
 RULE = Rule(
     id="gated_mlp",
     title="gated MLP act(gate) * up -> fused swiglu/geglu",
@@ -90,6 +78,6 @@ RULE = Rule(
     # or in the module itself (F.silu in forward).
     profile=ProfilePattern(own_all=("mul",), child_any=("silu", "gelu", "tanh"), child_linear=3,
                            evidence=("own:mul", "childmod:silu", "childmod:gelu", "childmod:tanh")),
-    problem=problem,
+    problem=rows_cols_from_first_input,  # the activation's input: the gate / pre-GELU (…, I)
     change="kprof swiglu/geglu kernel (act and multiply in one pass, fwd and bwd)",
 )

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kprof.rules.engine import ProfilePattern, Rule, behaves_like, closest, kernel_fn, param_like, probe_input, reference_fn
-from kprof.rules.problems import first_shape
+from kprof.rules.problems import rows_cols_from_first_input
 
 KERNEL = "bias_gelu:bias_gelu"
 
@@ -110,17 +110,6 @@ def replace(m: nn.Module, p: dict) -> dict:
     return {p["linear"]: linear_forward, p["act"]: identity}
 
 
-def problem(ops) -> dict | None:
-    got = first_shape(ops)  # the GELU's input: (…, I)
-    if got is None:
-        return None
-    shape, dtype = got
-    n_rows = 1
-    for s in shape[:-1]:
-        n_rows *= s
-    return {"n_rows": n_rows, "n_cols": shape[-1], "dtype": dtype}
-
-
 RULE = Rule(
     id="linear_gelu",
     title="Linear -> GELU -> matmul + fused bias_gelu",
@@ -130,7 +119,7 @@ RULE = Rule(
     # GELU in an activation child: F.gelu ("gelu") or GPT-2's NewGELU spelled with tanh.
     profile=ProfilePattern(child_any=("gelu", "tanh"), own_none=("mul", "silu", "gelu"), child_linear=1,
                            evidence=("childmod:gelu", "childmod:tanh")),
-    problem=problem,
+    problem=rows_cols_from_first_input,  # the activation's input: the gate / pre-GELU (…, I)
     change="kprof bias_gelu kernel (bias add + GELU in one pass after a bias-free matmul)",
     confidence="medium",
 )
