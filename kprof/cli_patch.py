@@ -26,9 +26,11 @@ def _f(v, fmt: str = "{:.2f}") -> str:
     return fmt.format(v)
 
 
-def render_plan(plan: pd.DataFrame, run_name: str, plan_path: Path, out: Console | None = None) -> None:
+def render_plan(plan: pd.DataFrame, run_name: str, plan_path: Path, out: Console | None = None,
+                diagnoses: pd.DataFrame | None = None) -> None:
     out = out or console
-    if not len(plan):
+    diag = diagnoses if diagnoses is not None else pd.DataFrame()
+    if not len(plan) and not len(diag):
         out.print(f"kprof suggest: no pattern kprof can fix was found in run {run_name}.")
         return
     t = Table(title=f"suggestions for {run_name} (saved to {plan_path})", show_lines=True)
@@ -40,9 +42,19 @@ def render_plan(plan: pd.DataFrame, run_name: str, plan_path: Path, out: Console
                     f"{r['class']}, {_f(r['% of roofline'], '{:.0f}')}% of roofline")
         saving = f"{_f(r['saving ms/step'])} ms/step\n({_f(r['saving %'], '{:.1f}')}% of step)"
         t.add_row(r["id"], where, evidence, r["change"], saving, r["confidence"], r["how"])
+    # Diagnoses (kprof.rules.diagnoses) after the kernel rules: script changes, not patches.
+    for r in diag.to_dict("records"):
+        where = r["where"] + (f"\n{r['source']}" if r["source"] else "")
+        bound = "<= " if str(r["saving note"]).startswith("upper bound") else ""
+        saving = (f"{bound}{_f(r['saving ms/step'])} ms/step\n({_f(r['saving %'], '{:.1f}')}% of step)"
+                  if r["saving ms/step"] == r["saving ms/step"] else "?")
+        t.add_row(r["id"], where, r["evidence"], r["change"], f"{saving}\n{r['saving note']}", r["confidence"], r["how"])
+    if not len(plan):
+        t.title = f"diagnoses for {run_name} (no kernel pattern found; saved to {plan_path})"
     out.print(t)
-    out.print("estimated saving = measured time of the matched ops - the replacement's roofline time at "
-              "the same shapes (kernel spec FLOPs/bytes at this run's ceilings)", style="dim")
+    if len(plan):
+        out.print("estimated saving = measured time of the matched ops - the replacement's roofline time at "
+                  "the same shapes (kernel spec FLOPs/bytes at this run's ceilings)", style="dim")
 
 
 def suggest_cmd(
@@ -52,17 +64,21 @@ def suggest_cmd(
                                                    "(see examples/custom_rules/); they take precedence.")] = None,
     out: Annotated[Path, typer.Option("--out", help="Run store directory.")] = store.DEFAULT_ROOT,
 ) -> None:
-    """Rank fixes for a profiled run (fused kernels, SDPA) with evidence and estimated savings."""
+    """Rank fixes for a profiled run (fused kernels, SDPA) with evidence and estimated savings,
+    then the diagnoses no kernel fixes (host syncs, fp32 matmuls, unfused optimizer)."""
     from kprof.rules import all_rules
+    from kprof.rules.diagnoses import diagnose
     from kprof.suggest import PLAN, plan_records, save_plan, suggest
 
     r = store.load_run(run, out)
     plan = suggest(r, all_rules(str(rules) if rules else None))
-    path = save_plan(r, plan)
+    diag = diagnose(r)
+    path = save_plan(r, plan, diag)
     if json_out:
-        print(json.dumps({"run": r.name, "plan": str(path), "suggestions": plan_records(plan)}, indent=1))
+        print(json.dumps({"run": r.name, "plan": str(path), "suggestions": plan_records(plan),
+                          "diagnoses": plan_records(diag)}, indent=1))
     else:
-        render_plan(plan, r.name, Path(r.path) / PLAN)
+        render_plan(plan, r.name, Path(r.path) / PLAN, diagnoses=diag)
 
 
 def render_apply(res, out: Console | None = None) -> None:

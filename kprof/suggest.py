@@ -315,6 +315,10 @@ def _clean(v):
         return int(v)
     if isinstance(v, (np.bool_,)):
         return bool(v)
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
     return v
 
 
@@ -322,9 +326,13 @@ def plan_records(plan: pd.DataFrame) -> list[dict]:
     return [{k: _clean(v) for k, v in r.items()} for r in plan.to_dict("records")]
 
 
-def save_plan(run, plan: pd.DataFrame) -> Path:
+def save_plan(run, plan: pd.DataFrame, diagnoses: pd.DataFrame | None = None) -> Path:
+    """plan.json: the kernel suggestions (what `kprof apply` patches) and, apart, the diagnoses
+    (kprof.rules.diagnoses: changes the user makes in the script)."""
     doc = {"run": run.name, "script": run.summary.get("script"), "argv": run.summary.get("argv"),
            "suggestions": plan_records(plan)}
+    if diagnoses is not None:
+        doc["diagnoses"] = plan_records(diagnoses)
     path = Path(run.path) / PLAN
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=1, allow_nan=False))

@@ -1,0 +1,54 @@
+"""The data types and run helpers every diagnosis uses (kept apart from the package's __init__,
+which imports the diagnosis modules)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pandas as pd
+
+
+@dataclass
+class Finding:
+    """One diagnosed problem with its evidence and the change that fixes it."""
+
+    where: str  # what the user looks at: "train.py:21", "12 fp32 matmuls", "optimizer AdamW (for-loop)"
+    evidence: str  # what in the profile shows it, in words and numbers
+    change: str  # the fix, in words
+    how: str  # the exact edit ("torch.optim.AdamW(..., fused=True)")
+    ms_per_step: float = math.nan  # measured time of the evidence, per step (nan: not a time)
+    saving_ms: float = math.nan  # estimated saving per step (nan: can't be estimated from this run)
+    saving_note: str = ""  # how the saving was estimated, or why there is none
+    source: str = ""  # file:line in the user's script, if known
+    paths: list[str] = field(default_factory=list)  # sites / module paths, for --json
+    cls: str = ""  # what kind of time the evidence is ("host sync", "compute-bound", ...)
+    confidence: str = "medium"  # high | medium | low: how sure the profile shows this problem
+    details: list[dict] = field(default_factory=list)  # per-site records for --json
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """One problem class -> its finder. `find` is pure: (ops.parquet, summary.json) -> findings."""
+
+    id: str
+    title: str
+    find: Callable[[pd.DataFrame, dict], list[Finding]]
+
+
+def step_ms(summary: dict) -> float:
+    """The profiled step's median (ms): the steps the op table comes from."""
+    return float((summary.get("profiled_step_time_ms") or {}).get("median")
+                 or (summary.get("step_time_ms") or {}).get("median") or math.nan)
+
+
+def n_steps(ops: pd.DataFrame, summary: dict) -> int:
+    n = summary.get("steps_recorded")
+    if not n and ops is not None and "step" in ops and len(ops):
+        n = ops["step"].nunique()
+    return max(int(n or 1), 1)
+
+
+def is_gpu_run(summary: dict) -> bool:
+    return (summary.get("device") or {}).get("type") == "cuda"
