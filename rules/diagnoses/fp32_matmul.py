@@ -105,7 +105,8 @@ def find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
 
     by_mod = (mm.assign(_t=t).groupby("module")["_t"].sum().sort_values(ascending=False)
               if "module" in mm else pd.Series(dtype=float))
-    groups = group_paths(list(by_mod.index))
+    paths = list(by_mod.index)
+    groups = group_paths(paths) if len(paths) > 1 else [(paths[0], 1)] if paths else []
     where = ", ".join(f"{g} x {k}" if k > 1 else g or "<model>" for g, k in groups[:TOP_MODULES])
     if len(groups) > TOP_MODULES:
         where += f", +{len(groups) - TOP_MODULES} more"
