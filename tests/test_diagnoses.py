@@ -140,7 +140,8 @@ def test_fp32_matmul_on_gpu_saving_from_the_tf32_peak():
     assert "1 fp32 matmuls/step" in f.evidence and f.confidence == "high"
 
 
-@pytest.mark.parametrize("case", ["cpu", "volta", "bf16", "tf32_kernel", "faster_than_fp32", "below_1pct"])
+@pytest.mark.parametrize("case", ["cpu", "volta", "bf16", "tf32_kernel", "faster_than_fp32", "below_1pct",
+                                  "launch_bound"])
 def test_fp32_matmul_no_false_alarm(case):
     table, summary = _matmul_table(), _gpu_summary()
     if case == "cpu":
@@ -155,6 +156,9 @@ def test_fp32_matmul_no_false_alarm(case):
         table["device_time (us)"] = table["device_time (us)"] / 3
     elif case == "below_1pct":  # 3 ms of matmul in a 10 s step
         summary["profiled_step_time_ms"] = {"median": 10_000.0}
+    elif case == "launch_bound":  # a tiny model's 8 us matmuls: under the 14.1 us launch latency at any peak
+        table = pd.DataFrame([_mm("head", 8.0, 2 * 4 * 16 * 64, 4 * (4 * 16 + 16 * 64 + 4 * 64), step=s) for s in (0, 1)])
+        summary["profiled_step_time_ms"] = {"median": 0.5}
     assert fp32_matmul.find(table, summary) == []
 
 
@@ -200,3 +204,33 @@ def test_json_records_are_finite():
     recs = plan_records(pd.DataFrame([{"a": math.nan, "details": [{"b": math.nan, "c": [1.0, math.inf]}]}]))
     assert recs == [{"a": None, "details": [{"b": None, "c": [1.0, None]}]}]
     json.dumps(recs, allow_nan=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the same planted scripts where the costs are real (run on the H200)
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_matmul_flagged_and_tf32_run_not(tmp_path):
+    from kprof.profile import profile_script
+
+    script = str(SCRIPTS / "fp32_matmul.py")
+    off = profile_script(script, [], warmup=2, steps=3, out_root=tmp_path)
+    d = diagnose(off).set_index("id")
+    assert "fp32_matmul" in d.index, diagnose(off)
+    row = d.loc["fp32_matmul"]
+    assert 0 < row["saving ms/step"] < row["ms/step"]
+    on = profile_script(script, ["--tf32"], warmup=2, steps=3, out_root=tmp_path)
+    assert "fp32_matmul" not in _ids(on)
+
+
+@pytest.mark.gpu
+def test_gpu_item_sync_saving_bounded_by_idle(tmp_path):
+    from kprof.profile import profile_script
+
+    run = profile_script(str(SCRIPTS / "item_sync.py"), ["--iters", "8"], warmup=2, steps=3, out_root=tmp_path)
+    d = diagnose(run)
+    assert d["id"].tolist() == ["host_sync"], d
+    row = d.iloc[0]
+    assert row["details"][0]["line"] == _line("item_sync.py", "item-sync")
+    assert row["saving note"].startswith("upper bound") and row["saving ms/step"] >= 0

@@ -12,7 +12,7 @@ GPUs, and runs where TF32 evidently already is on (a kernel named *tf32*, or fp3
 running faster than the fp32 peak allows; the runner does not record the TF32 flag itself).
 
 Saving: per op, its measured time minus its roofline time at the tf32 peak (max(FLOPs / peak,
-bytes / bandwidth) at the run's ceilings), never below zero; the bf16 figure is the same with
+bytes / bandwidth) at the run's ceilings, at least one launch latency), never below zero; the bf16 figure is the same with
 the bf16 peak and half the bytes.
 """
 
@@ -93,7 +93,9 @@ def find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
         peak = float(peaks.get(cls) or math.nan)
         if not (math.isfinite(peak) and math.isfinite(bw)):
             return math.nan
-        new = time_at_peak_us(flops, nbytes * byte_scale, peak, bw)
+        # At least one launch latency per op, as suggest's roofline_us: a 3 us matmul of a tiny
+        # model is launch-bound and TF32 does not speed it up.
+        new = np.maximum(time_at_peak_us(flops, nbytes * byte_scale, peak, bw), float(ceil.get("latency_us") or 0.0))
         return float(np.maximum(t - new, 0).sum()) / n / 1e3
 
     tf32 = saving("tf32", 1.0)
