@@ -251,7 +251,12 @@ def test_property_invariants(rows, cols, shift, scale, seed):
     zeros = torch.zeros(rows, dtype=torch.float64, device=DEVICE)
     torch.testing.assert_close(yd.mean(-1), zeros, atol=1e-5, rtol=0)
     torch.testing.assert_close(yd.var(-1, unbiased=False), zeros + 1, atol=1e-4, rtol=0)
-    assert_close(layer_norm(x * scale + shift, None, None, 0.0), y, msg="shift/scale invariance")
+    # x * scale + shift is itself rounded to fp32 (at shift 33, scale 1/16 that alone moves the
+    # normalized row by ~6e-5 relative, past the fp32 rtol), so the invariance is checked on the
+    # input the kernel actually gets: against the fp64 reference of that same shifted input.
+    xs = x * scale + shift
+    assert_close(layer_norm(xs, None, None, 0.0), layer_norm_reference(xs.double(), None, None, 0.0),
+                 msg="shift/scale invariance")
 
 
 @pytest.mark.parametrize("looped", [False, True])
