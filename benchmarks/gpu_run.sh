@@ -17,8 +17,9 @@ if has env; then
   tail -3 "$OUT/env.txt"
 fi
 if has tests; then
-  # Correctness in parallel processes (timings are not taken here).
-  timeout ${TEST_TIMEOUT:-280} python3 -m pytest -q -rfE -n 8 -p no:cacheprovider --junitxml="$OUT/junit.xml" tests 2>&1 | tee "$OUT/pytest.log" | tail -40
+  # Correctness in parallel processes (timings are not taken here). -v: each result is logged with
+  # its name as it lands, so a run cut by its time limit still says what failed.
+  timeout ${TEST_TIMEOUT:-280} python3 -m pytest -v -rfE -n 8 -p no:cacheprovider --junitxml="$OUT/junit.xml" tests 2>&1 | tee "$OUT/pytest.log" | tail -40
 fi
 if has bench; then
   timeout ${BENCH_TIMEOUT:-540} python3 benchmarks/bench_kernels.py --csv "$OUT/kernels.csv" 2>&1 | tee "$OUT/bench.log" | tail -60
