@@ -40,7 +40,7 @@ import triton.language as tl
 
 from kprof.errors import KprofError
 from kprof.kernels._common import use_triton, warn_fallback
-from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
+from kprof.kernels.registry import Cost, KernelSpec, register
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _REDUCTIONS = ("mean", "sum", "none")

@@ -59,7 +59,7 @@ from kprof.kernels.cross_entropy import (
     _reduce,
     cross_entropy_reference,
 )
-from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
+from kprof.kernels.registry import Cost, KernelSpec, register
 
 # ----------------------------------------------------------------------------------------------
 # Chunk size (the one tuning knob besides the CE kernel's own CEConfig)

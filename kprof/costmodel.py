@@ -609,11 +609,9 @@ def _causal_fraction(sq: int, sk: int) -> float:
 def attention(c: Call) -> Cost | None:
     layout, backward, causal_arg = ATTENTION_OPS[_base(c.op)]
     g = lambda n, p: c.tensor(n, p)  # noqa: E731
-    if backward:
-        go = g("grad_out", 0) or g("grad_out_", 0)
+    if backward:  # argument 0 is grad_out
         q, k, v = g("query", 1), g("key", 2), g("value", 3)
     else:
-        go = None
         q, k, v = g("query", 0), g("key", 1), g("value", 2)
     if q is None or k is None or v is None or len(q.shape) != 4 or len(k.shape) != 4:
         return None

@@ -46,7 +46,6 @@ import re
 import resource
 import runpy
 import socket
-import statistics
 import sys
 import tempfile
 import threading
