@@ -24,20 +24,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # for hypothesis tests 
 gpu = pytest.mark.gpu
 AFFINE = ["weight+bias", "weight", "bias", "none"]
 
-SHAPES = [
-    (1, 1),
-    (3, 7),
-    (300, 64),
-    (37, 781),
-    (2, 5, 4097),
-    (1, 65536),  # looped path
-    pytest.param((1, MAX_FUSED_N), marks=gpu),  # widest in-register row
-    pytest.param((20, MAX_FUSED_N + 1), marks=gpu),  # narrowest looped row, several rows per program
-    pytest.param((1823, 781), marks=gpu),
-    pytest.param((64, 8192), marks=gpu),
-    pytest.param((16384, 4096), marks=gpu),  # the benchmark shape
-    pytest.param((3, 131072), marks=gpu),
-]
+# The same row-shape sweep as RMSNorm: both kernels share RowConfig, so the regime boundaries
+# (in-register vs looped, MAX_FUSED_N) are the same.
+from test_rms_norm import SHAPES  # noqa: E402
 
 
 def _upcast(t):
