@@ -22,6 +22,59 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.bench_kernels import _grad_leaves, _outputs, _run_fwd_bwd, load_cases  # noqa: E402
 
 
+def _host_profile(step, leaves, iters: int = 200) -> None:
+    """Where the host time of one call goes, Python function by function (cProfile, tottime per
+    call). The GPU runs asynchronously; a cudaMalloc, a sync or a slow launch path shows up here."""
+    import cProfile
+    import io
+    import pstats
+
+    pr = cProfile.Profile()
+    torch.cuda.synchronize()
+    pr.enable()
+    for _ in range(iters):
+        for x in leaves:
+            x.grad = None
+        step()
+    torch.cuda.synchronize()
+    pr.disable()
+    buf = io.StringIO()
+    st = pstats.Stats(pr, stream=buf)
+    total = st.total_tt / iters * 1e6
+    print(f"      host per call (cProfile, {iters} calls): {total:.1f} us; top functions by own time per call:")
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:12]
+    for (file, line, fn), (cc, nc, tt, ct, _) in rows:
+        print(f"      {tt / iters * 1e6:8.1f} us own {ct / iters * 1e6:8.1f} us cum  {nc / iters:5.1f}x  {Path(file).name}:{line}({fn})")
+
+
+def resource_report() -> None:
+    """Registers, spills and warps of every kprof Triton kernel compiled in this process (the
+    compiler's resource report; a spill or a register count that halves occupancy explains a
+    bandwidth shortfall better than a guess)."""
+    import importlib
+    import pkgutil
+
+    import triton
+
+    import kprof.kernels as kpkg
+
+    print("## compiled kprof Triton kernels: name, n_regs, n_spills, num_warps, shared bytes")
+    for info in pkgutil.iter_modules(kpkg.__path__):
+        mod = importlib.import_module(f"kprof.kernels.{info.name}")
+        for name, obj in vars(mod).items():
+            fn = getattr(obj, "fn", obj)  # autotuned kernels wrap the JITFunction
+            if not isinstance(fn, triton.runtime.jit.JITFunction):
+                continue
+            caches = getattr(fn, "device_caches", None) or {}
+            for dev_cache in caches.values():
+                kernels = dev_cache[0] if isinstance(dev_cache, tuple) else dev_cache
+                for key, k in list(kernels.items()):
+                    meta = getattr(k, "metadata", None)
+                    print(f"{info.name}.{name}: regs {getattr(k, 'n_regs', '?')} spills {getattr(k, 'n_spills', '?')} "
+                          f"warps {getattr(meta, 'num_warps', '?')} shared {getattr(meta, 'shared', '?')} "
+                          f"key {str(key)[:160]}")
+
+
 def main() -> None:
     import triton.testing
     from torch.profiler import ProfilerActivity, profile
@@ -29,12 +82,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--cprofile", action="store_true", help="also print the host's Python-level cost per call (cProfile)")
     args = ap.parse_args()
     only = set(args.only.split(",")) if args.only else None
     for case in load_cases(only):
         inputs = case.make_inputs("cuda", torch.bfloat16)
         leaves = _grad_leaves(inputs)
-        fns = {"kprof": case.kprof}
+        fns = {"kprof": case.kprof, "eager": case.eager}
         if case.liger is not None:
             try:
                 fns["liger"] = case.liger()
@@ -72,10 +126,20 @@ def main() -> None:
             print(f"{case.label:55s} {name:6s} do_bench {t:8.1f} us | kernels {gpu:8.1f} us | host {host:8.1f} us | syncs/iter {syncs:.1f} | cudaMalloc {mallocs} cudaFree {frees} in do_bench")
             for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:4]:
                 print(f"      {v:8.1f} us  {k}")
+            if args.cprofile:
+                # Host time by op across threads (the backward runs on autograd's device thread,
+                # which cProfile below does not see).
+                avg = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:10]
+                print("      host self time by op per call (torch.profiler, all threads):")
+                for a in avg:
+                    print(f"      {a.self_cpu_time_total / args.iters:8.1f} us  {a.count / args.iters:5.1f}x  {a.key[:70]}")
             for x in leaves:
                 x.grad = None
-        del inputs
+            if args.cprofile:
+                _host_profile(step, leaves)
+        inputs = leaves = None  # free before the next case's inputs
         torch.cuda.empty_cache()
+    resource_report()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One full GPU session on the lent H200, in as few calls as possible (the device budget is 30 min):
-#   bash benchmarks/gpu_run.sh [stages]      stages: comma list of env,tests,bench,calibrate,profile,suggest,apply,step (default: all)
+#   bash benchmarks/gpu_run.sh [stages]      stages: comma list of env,tests,bench,calibrate,profile,suggest,apply,step,
+#                                            diagnose (host vs GPU time per kernel; DIAG_ONLY=rms_norm,...), sweep (CE/LCE configs)
 # Everything lands under $OUT (logs, kernels.csv, calibration, profile summaries); the lead commits
 # what matters to benchmarks/results/. Carry .whl (Liger Kernel wheel) with the call.
 set -uo pipefail
@@ -20,9 +21,16 @@ if has tests; then
   # Correctness in parallel processes (timings are not taken here). -v: each result is logged with
   # its name as it lands, so a run cut by its time limit still says what failed.
   timeout ${TEST_TIMEOUT:-280} python3 -m pytest -v -rfE -n 8 -p no:cacheprovider --junitxml="$OUT/junit.xml" tests 2>&1 | tee "$OUT/pytest.log" | tail -40
+  pkill -f "pytest" 2>/dev/null; sleep 1  # xdist workers outlive a timed-out main process and would skew the timings below
 fi
 if has bench; then
   timeout ${BENCH_TIMEOUT:-540} python3 benchmarks/bench_kernels.py --csv "$OUT/kernels.csv" 2>&1 | tee "$OUT/bench.log" | tail -60
+fi
+if has diagnose; then
+  timeout ${DIAG_TIMEOUT:-150} python3 benchmarks/diagnose.py --cprofile ${DIAG_ONLY:+--only $DIAG_ONLY} 2>&1 | tee "$OUT/diagnose.log" | tail -150
+fi
+if has sweep; then
+  timeout ${SWEEP_TIMEOUT:-200} python3 -m benchmarks.cases.loss 2>&1 | tee "$OUT/sweep.log" | tail -100
 fi
 if has calibrate; then
   timeout 90 kprof calibrate 2>&1 | tee "$OUT/calibrate.log" | tail -20
