@@ -169,7 +169,7 @@ def bench_case(case, copy_bw_gbps, mm_tflops, versions, rows):
 
     floors = {"fwd": floor_us(cost["fwd"]), "fwdbwd": floor_us(cost["fwd"] + cost["bwd"])}
 
-    impls = {"kprof": case.kprof, "eager": case.eager}
+    impls = {"kprof": case.kprof, **{f"kprof {k}": v for k, v in case.kprof_variants.items()}, "eager": case.eager}
     notes = {}
     try:
         impls["torch.compile"] = torch.compile(case.eager, dynamic=False)
@@ -192,7 +192,7 @@ def bench_case(case, copy_bw_gbps, mm_tflops, versions, rows):
             notes[name] = f"failed correctness run: {e!r}"[:200]
             traceback.print_exc()
             continue
-        if name == "kprof" and not err < 2e-2:
+        if name.startswith("kprof") and not err < 2e-2:
             # bf16 output vs fp32 reference: ~4e-3 expected (METHOD.md: 1e-3..1e-2); never time a wrong kernel
             notes[name] = f"WRONG: rel err {err:.3g} vs fp32 reference; not timed"
             print(f"!! {case.label}: kprof rel err {err:.3g}", flush=True)

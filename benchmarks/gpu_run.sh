@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One full GPU session on the lent H200, in as few calls as possible (the device budget is 30 min):
 #   bash benchmarks/gpu_run.sh [stages]      stages: comma list of env,tests,bench,calibrate,profile,suggest,apply,step,
-#                                            diagnose (host vs GPU time per kernel; DIAG_ONLY=rms_norm,...), sweep (CE/LCE configs)
+#                                            diagnose (host vs GPU time per kernel; DIAG_ONLY=rms_norm,...), sweep (CE/LCE configs),
+#                                            normsweep (norm launch configs), ncu (Nsight Compute on the kernels that miss), debug (benchmarks/debug_*.py)
 # Everything lands under $OUT (logs, kernels.csv, calibration, profile summaries); the lead commits
 # what matters to benchmarks/results/. Carry .whl (Liger Kernel wheel) with the call.
 set -uo pipefail
@@ -23,14 +24,32 @@ if has tests; then
   timeout ${TEST_TIMEOUT:-280} python3 -m pytest -v -rfE -n 8 -p no:cacheprovider --junitxml="$OUT/junit.xml" tests 2>&1 | tee "$OUT/pytest.log" | tail -40
   pkill -f "pytest" 2>/dev/null; sleep 1  # xdist workers outlive a timed-out main process and would skew the timings below
 fi
+if has gputests; then
+  # The tests of GPU_TESTS (default: all) marked TEST_MARK (default gpu; TEST_MARK= for all of them).
+  MARK=${TEST_MARK-gpu}
+  timeout ${TEST_TIMEOUT:-280} python3 -m pytest -v -rfE -n ${TEST_WORKERS:-4} ${MARK:+-m "$MARK"} -p no:cacheprovider --junitxml="$OUT/junit-gpu.xml" ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/pytest-gpu.log" | tail -30
+  pkill -f "pytest" 2>/dev/null; sleep 1
+fi
 if has bench; then
-  timeout ${BENCH_TIMEOUT:-540} python3 benchmarks/bench_kernels.py --csv "$OUT/kernels.csv" 2>&1 | tee "$OUT/bench.log" | tail -60
+  timeout ${BENCH_TIMEOUT:-540} python3 benchmarks/bench_kernels.py --csv "$OUT/kernels.csv" ${BENCH_ONLY:+--only $BENCH_ONLY} 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
 if has diagnose; then
   timeout ${DIAG_TIMEOUT:-150} python3 benchmarks/diagnose.py --cprofile ${DIAG_ONLY:+--only $DIAG_ONLY} 2>&1 | tee "$OUT/diagnose.log" | tail -150
 fi
 if has sweep; then
   timeout ${SWEEP_TIMEOUT:-200} python3 -m benchmarks.cases.loss 2>&1 | tee "$OUT/sweep.log" | tail -100
+fi
+if has normsweep; then
+  timeout ${NORMSWEEP_TIMEOUT:-150} python3 -m benchmarks.cases.norms 2>&1 | tee "$OUT/normsweep.log" | tail -20
+fi
+if has ncu; then
+  timeout ${NCU_TIMEOUT:-120} ncu --kernel-name regex:'_ce_fwd|_rms_norm_bwd|_layer_norm_(fwd|bwd)|_bias_gelu_bwd' \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --metrics dram__bytes_read.sum,dram__bytes_write.sum python3 benchmarks/ncu_kernels.py >"$OUT/ncu.log" 2>&1
+  grep -E "_kernel|dram__bytes|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|DRAM Throughput|Block Size|Grid Size" "$OUT/ncu.log" | head -120
+fi
+if has debug; then
+  for f in benchmarks/debug_*.py; do [ -f "$f" ] && timeout ${DEBUG_TIMEOUT:-120} python3 "$f" 2>&1 | tee -a "$OUT/debug.log" | tail -40; done
 fi
 if has calibrate; then
   timeout 90 kprof calibrate 2>&1 | tee "$OUT/calibrate.log" | tail -20

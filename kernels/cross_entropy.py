@@ -10,16 +10,15 @@ Napkin math (H200, 4.27 TB/s measured copy bandwidth, 132 SMs, 50-60 MB L2), bf1
   logits read once   2.10 GB
   grad written once  2.10 GB      -> floor 4.2 GB / 4.27 TB/s = 0.98 ms (target <= 1.15 ms)
 A row (128256 bf16 = 256 KB) cannot stay in one SM's registers, so each row is read twice: pass 1
-(online logsumexp over V in blocks), pass 2 (softmax - onehot, written as the gradient). The
-second read must come from L2, not HBM (it would cost 0.5 ms more). Two things keep it there:
-  - a persistent grid of 1-2 programs per SM, so that the live set (programs x half a row on
-    average) stays within ~3/4 of the L2 (`CEConfig.for_problem`);
-  - pass 2 walks the row backwards, so it first re-reads the blocks pass 1 read last (the ones
-    least likely to have been evicted), and pass 1's loads are marked evict_last, pass 2's
-    evict_first, the gradient stores streaming (.cs).
+(online logsumexp over V in blocks), pass 2 (softmax - onehot, written as the gradient). If the
+second read came from L2 the kernel would move 4.2 GB; from HBM, 6.3 GB (1.47 ms at best). Pass 2
+walks the row backwards, so it first re-reads the blocks pass 1 read last, pass 1's loads are
+marked evict_last, pass 2's evict_first and the gradient stores streaming (.cs).
+Measured on the H200 (2026-11-29): 1.46 ms with the launch config `CEConfig.for_problem` now
+picks (a 64-config sweep), 2.47 ms with the first napkin-math one; the grid size (1-4 programs
+per SM) made no difference, which says the L2 reuse the persistent grid was meant to buy does
+not happen at this block size (DRAM bytes per launch: benchmarks/results, ncu).
 Rows up to `CEConfig.single_block_max` columns are loaded once and kept in registers.
-These choices are not yet measured on the H200 (written without GPU access); `CEConfig` is the
-one place to tune them.
 
 Semantics match `F.cross_entropy` on fp32 logits: mean over non-ignored targets (all ignored ->
 nan, like torch), label smoothing as torch defines it (eps/V spread over all classes, ignored
@@ -258,9 +257,6 @@ class CEConfig:
     # Rows up to this many columns are loaded once and held in registers: 16384 over 16 warps
     # is 32 values a thread (127 registers, no spills), one program per SM.
     single_block_max = 16384
-    # Live set of pass 1 -> pass 2 re-reads: programs x half a row on average. Keep it within this
-    # share of L2 so the re-read hits L2 (the other quarter: gradient stores streaming through).
-    l2_share = 0.75
 
     @classmethod
     def for_problem(cls, n_rows: int, n_cols: int, dtype: torch.dtype, device: torch.device) -> "CEConfig":
@@ -269,25 +265,22 @@ class CEConfig:
             # big blocks and one program per row keep the Python overhead low.
             block = min(triton.next_power_of_2(max(n_cols, 1)), 8192)
             return cls(block, 4, max(n_rows, 1), n_cols <= block)
-        n_sm, l2 = _sm_count_and_l2(device)
+        n_sm = _sm_count_and_l2(device)[0]
         if n_cols <= cls.single_block_max:
             block = triton.next_power_of_2(n_cols)
             warps = max(4, min(16, block // 1024))
             # One read per row, no L2 constraint. Programs per SM by registers: ~1 at 16 warps.
             per_sm = max(1, 16 // warps)
             return cls(block, warps, max(1, min(n_rows, per_sm * n_sm)), True)
-        elem = torch.empty((), dtype=dtype).element_size()
-        row_bytes = n_cols * elem
-        # Persistent grid of exactly k programs per SM (uneven residency would leave stragglers).
-        # Either way ~32 KB of loads is in flight per SM per iteration, about what 4.27 TB/s x
-        # ~1 us of HBM latency / 132 SMs needs:
-        #   k = 2: 16 KB blocks, 8 warps (128 registers: two programs fit), one program's loads
-        #          overlap the other's reductions; live set 2 x n_sm x row/2 (34 MB at V=128256 bf16);
-        #   k = 1: 32 KB blocks, 16 warps (128 registers), for rows too long for k = 2 in L2
-        #          (fp32 logits at V=128256, bf16 at V=256000: 512 KB rows).
-        if n_sm * row_bytes <= cls.l2_share * l2:
-            return cls(16384 // elem, 8, max(1, min(n_rows, 2 * n_sm)), False)
-        return cls(32768 // elem, 16, max(1, min(n_rows, n_sm)), False)
+        # Measured on the H200 (2026-11-29, bf16 8192 x 128256, fwd writing the grad; sweep of
+        # 64 configs, `python -m benchmarks.cases.loss`): 32768-column blocks over 32 warps (32
+        # values a thread) at 1.46 ms (2.87 TB/s on the 4.2 GB the kernel must move), against
+        # 2.47 ms for the napkin-math pick (16 KB blocks, 8 warps, 2 programs per SM) and 1.65 ms
+        # for the best 16-warp config. Grid size did not matter at this block (1.46-1.49 ms from
+        # 1 to 4 programs per SM): a 32-warp program is a whole SM's worth of loads in flight, and
+        # whether the second read of a row hits L2 is measured with ncu (DRAM bytes; benchmarks/results).
+        # One program per SM: 32 warps leave room for two, which measured the same.
+        return cls(32768, 32, max(1, min(n_rows, n_sm)), False)
 
 
 def _check_logits_target(logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> None:

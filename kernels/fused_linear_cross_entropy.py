@@ -19,11 +19,9 @@ N=8192, H=4096, V=128256:
   3 GEMMs x 2NHV = 25.8 TFLOP -> ~34 ms at 750 TFLOP/s (torch.compile: 36.1 ms, the target)
   CE kernel over all chunks: read + write N*V bf16 = 4.2 GB -> ~1 ms
   grad_W update: the addmm streams grad_W ([V, H], 2 B read + 2 B written per element) against
-  2*C FLOPs per element. The GEMM stays compute-bound while 2C / 4 B >= ridge 989/4.8 ~ 206 FLOP/B,
-  i.e. C >= ~412: C = 512 by default (C = 256, Liger's choice at this shape, makes each of the 32
-  updates memory-bound: 0.49 ms of traffic vs 0.36 ms of math, ~+4 ms in total).
-  Memory beyond the outputs (grad_h, grad_W): one [C, V] chunk = 131 MB at C = 512.
-Chunk size and precision choice are not yet measured on the H200 (written without GPU access).
+  2*C FLOPs per element: memory-bound below C ~ 412 (0.49 ms of traffic vs 0.36 ms of math per
+  chunk at C = 256), so small chunks cost time; measured trade-off and the default: `chunk_rows`.
+  Memory beyond the outputs (grad_h, grad_W): one [C, V] chunk = 66 MB at C = 256.
 
 Precision of grad_W: by default it is accumulated in the weight's dtype: each chunk's GEMM
 accumulates in fp32 inside cuBLAS and rounds once when adding into grad_W, so a bf16 grad_W
@@ -65,21 +63,43 @@ from kprof.kernels.registry import Cost, KernelSpec, register
 # Chunk size (the one tuning knob besides the CE kernel's own CEConfig)
 # ----------------------------------------------------------------------------------------------
 
-# Rows per chunk that keep the grad_W update GEMM compute-bound (module docstring): 512 when
-# grad_W is accumulated in a 2-byte dtype, 1024 with a 4-byte (fp32) accumulator.
-_GEMM_ROWS_BY_ACC_BYTES = {2: 512, 4: 1024}
+# Rows per chunk. The chunk buffer ([C, V] in the input dtype) is the memory this kernel adds
+# beyond the grads it must return, and the grad_W update streams all of grad_W once per chunk
+# (2 x V x H x 2 B), so C trades memory for speed. Measured on the H200 (2026-11-29, N=8192,
+# H=4096, V=128256, bf16, fwd+bwd, `python -m benchmarks.cases.loss`):
+#     C =  256:  52.6 ms, 1.22 GB extra     C = 1024: 40.9 ms, 1.38 GB
+#     C =  512:  43.2 ms, 1.25 GB           C = 2048: 38.9 ms, 1.64 GB
+#     (torch.compile 39.1 ms / 3.2 GB; Liger 55.6 ms / 1.18 GB in the same session)
+# The default keeps the chunk buffer about the size of the hidden states (C = next power of two
+# of N / ceil(V / H): Liger's bound, so that a patched model never needs more memory than with
+# Liger); chunk_size=2048 is the fast setting when memory allows (README, kernel table).
+_MAX_ROWS = 2048
+_MIN_BUFFER_BYTES = 32 * 2**20
 # Never let the chunk buffer take more than this share of the free device memory.
 _FREE_MEMORY_SHARE = 8
 
 
-def chunk_rows(n_rows: int, vocab: int, dtype: torch.dtype, acc_dtype: torch.dtype, device: torch.device) -> int:
-    """Rows per chunk: enough for an efficient grad_W update, capped by free memory and N."""
-    rows = _GEMM_ROWS_BY_ACC_BYTES[_itemsize(acc_dtype)]
+def chunk_rows(n_rows: int, vocab: int, dtype: torch.dtype, acc_dtype: torch.dtype, device: torch.device,
+               hidden: int | None = None) -> int:
+    """Rows per chunk: the chunk buffer within about the hidden states' size, capped by free
+    memory and N. `acc_dtype` is accepted for symmetry; the bound does not depend on it."""
+    rows = _MAX_ROWS
+    elem = _itemsize(dtype)
+    if hidden:
+        liger = triton_next_pow2(max(1, -(-max(n_rows, 1) // -(-vocab // hidden))))
+        # ...but never below a 32 MiB buffer: at small N the hidden-size bound would mean chunks
+        # of a few rows (N = 100 at H = 4096 -> 4), each a full pass over grad_W.
+        floor = 1 << max(0, (_MIN_BUFFER_BYTES // (vocab * elem)).bit_length() - 1)
+        rows = min(rows, max(liger, floor))
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        rows = min(rows, free // (_FREE_MEMORY_SHARE * vocab * _itemsize(dtype)))
+        rows = min(rows, free // (_FREE_MEMORY_SHARE * vocab * elem))
     return int(max(1, min(n_rows, rows)))
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (int(n) - 1).bit_length()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,7 +157,7 @@ def _lce_launch(
     else:
         _check_target_values(target, vocab, ignore_index)
     any_grad = need_gh or need_gw or need_gb
-    c = chunk_size if chunk_size > 0 else chunk_rows(n, vocab, hidden.dtype, acc_dtype, dev)
+    c = chunk_size if chunk_size > 0 else chunk_rows(n, vocab, hidden.dtype, acc_dtype, dev, hidden.shape[1])
     buf = torch.empty((min(c, n), vocab), dtype=hidden.dtype, device=dev)  # reused by every chunk
     per_row_scale = grad_scale.numel() != 1
     wt = weight.t()
@@ -360,8 +380,9 @@ def linear_cross_entropy(
     (the HF LM head: logits in the input dtype, loss in fp32, returned in the input dtype); the
     options are `cross_entropy`'s. reduction='none' returns a loss shaped like `target`.
 
-    chunk_size: tokens per chunk (default `chunk_rows`: 512, fewer if memory is short). The
-        extra memory is one [chunk_size, V] buffer in the input dtype.
+    chunk_size: tokens per chunk (default `chunk_rows`: the chunk buffer about the size of the
+        hidden states, 256 rows at 8192 x 4096 -> 128256; 2048 is ~25% faster there for 0.4 GB
+        more). The extra memory is one [chunk_size, V] buffer in the input dtype.
     accum_dtype: dtype grad_weight is accumulated in across chunks: None = the weight's dtype
         (default; Liger's memory), torch.float32 = more accurate, +4 B per weight element.
 
@@ -472,7 +493,7 @@ SPEC = register(
         replaces="lm_head = F.linear(hidden, W) + F.cross_entropy(logits.float(), target) and their backward",
         dtypes=_DTYPES,
         limits=(
-            "hidden [..., H], weight [V, H], V < 2^31; chunks of 512 tokens (1024 with fp32 accumulation) "
+            "hidden [..., H], weight [V, H], V < 2^31; chunks of ~N*H/V tokens (at most 2048) "
             "or fewer when memory is short; no class weights"
         ),
         deterministic=True,  # fixed chunk order, cuBLAS on one stream, CE kernel without atomics

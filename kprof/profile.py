@@ -104,6 +104,12 @@ def analyse(raw) -> tuple[pd.DataFrame, dict]:
     from kprof import analysis, ceilings, costmodel, trace
 
     events = trace.load_trace(raw.trace_path)
+    if events.device_type == "cpu" and (raw.device or {}).get("type") == "cuda":
+        # A GPU machine, but the script launched nothing on it (H200 run, 2026-11-29: a CPU script's
+        # host idle time was read as GPU idle). Describe and judge it as the CPU run it was.
+        from kprof.runner import device_info
+
+        raw.device = device_info(use_cuda=False) | {"unused_gpu": (raw.device or {}).get("name")}
     ops = costmodel.annotate(trace.op_table(events))
     ceil = ceilings.for_device(raw.device)
     # The runner doesn't record whether TF32 was allowed for fp32 matmuls; the roofline assumes
@@ -120,6 +126,11 @@ def analyse(raw) -> tuple[pd.DataFrame, dict]:
         "step_time_ms": _stats(analysis, raw.step_times_ms),
         "profiled_step_time_ms": _stats(analysis, raw.profiled_step_times_ms),
         "overhead": analysis.overhead(raw.profiled_step_times_ms, raw.step_times_ms),
+        # DataLoader fetches and host-to-device copies per step, with the GPU idle inside them (all
+        # device activity counts as busy, also the previous step's tail that belongs to no step).
+        "input_wait": analysis.input_wait_by_step(
+            trace.input_ranges(events), events.device if events.device_type == "cuda" else None,
+            events.steps["step"].tolist()),
     }
     return ops, out
 
@@ -178,6 +189,7 @@ def build_summary(raw, a: dict | None) -> dict[str, Any]:
         "class_breakdown": _records(a["class_breakdown"]),
         "top_ops": _records(a["top_ops"]),
         "idle_by_step": _records(idle),
+        "input_wait_by_step": _records(a.get("input_wait")),
         "syncs": list(raw.syncs),
         "losses": list(raw.losses),
         "module_classes": dict(raw.module_classes),

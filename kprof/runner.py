@@ -191,8 +191,10 @@ def _check_config(cfg: RunConfig) -> None:
         raise KprofError(f"trace dir {cfg.trace_dir!r} exists and is not a folder; pass a folder.", exit_code=2)
 
 
-def device_info() -> dict:
-    """The machine the run is on, for the report and for looking up roofline ceilings."""
+def device_info(use_cuda: bool | None = None) -> dict:
+    """The machine the run is on, for the report and for looking up roofline ceilings.
+    `use_cuda=False` describes the CPU even where a GPU is present (a script that ran on the CPU
+    of a GPU machine is a CPU run: its idle time is the host's, its ceilings the CPU's)."""
     info: dict[str, Any] = {
         "torch": torch.__version__,
         "triton": _dist_version("triton"),
@@ -200,7 +202,7 @@ def device_info() -> dict:
         "python": platform.python_version(),
         "hostname": socket.gethostname(),
     }
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() if use_cuda is None else use_cuda:
         try:
             idx = torch.cuda.current_device()
             props = torch.cuda.get_device_properties(idx)

@@ -22,3 +22,6 @@ class Case:
     problem: dict  # spec.cost(**problem) -> {"fwd": Cost, "bwd": Cost}
     targets_us: dict = field(default_factory=dict)  # {"fwd": 70, "fwdbwd": 200} from the issue
     backward: bool = True  # time forward+backward too
+    # Other settings of kprof's kernel timed in the same run, as impl "kprof <name>" (e.g. a chunk
+    # size that trades memory for speed); checked for correctness like the default.
+    kprof_variants: dict = field(default_factory=dict)

@@ -155,3 +155,71 @@ CASES: list[Case] = [
         targets_us={"fwd": 70, "fwdbwd": 200},  # issue; floors 63 / 157 us
     ),
 ]
+
+
+# --- launch-config sweep for the norm kernels (run on the GPU; not part of CASES) -------------
+
+
+def sweep_norm_configs() -> list[dict]:
+    """GPU time (CUDA-graph replay, host overhead removed) of kprof's RMSNorm and LayerNorm at the
+    issue's shape over the launch knobs of kernels/rms_norm.py (shared by layer_norm): elements per
+    block and warps for the forward; elements per block, warps and programs per SM for the
+    persistent backward. `python -m benchmarks.cases.norms`. Each config is checked against the
+    default one first. Rows sorted by time per (norm, pass); the first is what RowConfig should pick.
+    """
+    import itertools
+
+    from benchmarks.bench_kernels import graph_time_us
+
+    mods = {"rms_norm": (_rms.rms_norm, _llama_inputs), "layer_norm": (_ln.layer_norm, _ln_inputs)}
+    defaults = (_rms.FWD_BLOCK_ELEMS, _rms.BWD_BLOCK_ELEMS, _rms.BWD_PROGRAMS_PER_SM, _rms._num_warps)
+
+    def configure(fwd_elems, bwd_elems, per_sm, warps):
+        _rms.FWD_BLOCK_ELEMS, _rms.BWD_BLOCK_ELEMS, _rms.BWD_PROGRAMS_PER_SM = fwd_elems, bwd_elems, per_sm
+        _rms._num_warps = (lambda n: warps) if warps else defaults[3]
+        _rms.RowConfig.forward.cache_clear()
+        _rms.RowConfig.backward.cache_clear()
+
+    rows = []
+    try:
+        for name, (fn, make) in mods.items():
+            inputs = make("cuda", torch.bfloat16)
+            x, leaves = inputs["x"], [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+            dy = torch.randn_like(x)
+            configure(*defaults[:3], None)
+            ref_y = fn(**inputs)
+            ref = torch.autograd.grad(ref_y, leaves, dy)
+            ref_y = ref_y.detach()
+            grid = [("fwd", e, defaults[1], defaults[2], w) for e in (2048, 4096, 8192, 16384) for w in (None, 4, 8, 16)]
+            grid += [("bwd", defaults[0], e, p, w) for e, p, w in itertools.product((4096, 8192, 16384), (1, 2, 4, 8), (None, 4, 8, 16))]
+            for mode, fe, be, p, w in grid:
+                configure(fe, be, p, w)
+                try:
+                    y = fn(**inputs)
+                    got = torch.autograd.grad(y, leaves, dy)
+                    ok = torch.equal(y, ref_y) and all((a - b).abs().max() <= 1e-2 * b.abs().max() for a, b in zip(got, ref))
+                    if mode == "fwd":
+                        us = graph_time_us(lambda: fn(**inputs), [])
+                    else:
+                        us = graph_time_us(lambda: torch.autograd.backward(fn(**inputs), dy), leaves)
+                except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result
+                    ok, us = False, float("nan")
+                    print(f"{name} {mode} {fe} {be} {p} {w}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                r = {"norm": name, "mode": mode if mode == "fwd" else "fwd+bwd", "fwd_elems": fe, "bwd_elems": be,
+                     "per_sm": p, "warps": w or "auto", "us": us, "ok": ok}
+                rows.append(r)
+                print(f"{name:10s} {r['mode']:7s} fwd_elems={fe:6d} bwd_elems={be:6d} per_sm={p} warps={str(w or 'auto'):4s} "
+                      f"{us:8.1f} us {'' if ok else 'MISMATCH'}", flush=True)
+            inputs = x = leaves = dy = ref = ref_y = None  # free before the next norm's tensors
+            torch.cuda.empty_cache()
+    finally:
+        configure(*defaults[:3], None)
+    for name in mods:
+        for mode in ("fwd", "fwd+bwd"):
+            best = sorted((r for r in rows if r["norm"] == name and r["mode"] == mode and r["ok"]), key=lambda r: r["us"])[:3]
+            print(f"best {name} {mode}: " + "; ".join(f"{b['us']:.1f} us ({b})" for b in best), flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    sweep_norm_configs()

@@ -247,7 +247,10 @@ def emulate_torch211_function_tracing(monkeypatch) -> None:
     alias filter off and (2) counting ctx attribute stores as side effects, so that the path is
     taken; the first assertion of the tests using this shows that it reproduces the bug.
     Private dynamo internals: skipped where they differ from those this was written against.
+    On torch 2.11 itself there is nothing to emulate: the "installed" case runs the real thing.
     """
+    if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12):
+        pytest.skip("installed torch < 2.12 traces this way already: the 'installed' case covers it")
     import inspect
     import traceback
 

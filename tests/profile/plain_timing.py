@@ -11,7 +11,9 @@ import runpy
 import sys
 
 import torch
-import torch.optim.optimizer  # noqa: F401  (the submodule is not imported by `import torch` on every version)
+# `from ... import`, not the attribute: torch 2.11's torch/optim/__init__.py deletes the submodule
+# names from its namespace, so `torch.optim.optimizer` raises AttributeError there (H200, 2026-11-29).
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 out, script, *args = sys.argv[1:]
 events: list = []
@@ -23,7 +25,7 @@ def _hook(opt, a, kw):
     events.append(e)
 
 
-torch.optim.optimizer.register_optimizer_step_post_hook(_hook)
+register_optimizer_step_post_hook(_hook)
 sys.argv = [script, *args]
 try:
     runpy.run_path(script, run_name="__main__")
