@@ -309,3 +309,71 @@ def overhead(profiled: Sequence[float], unprofiled: Sequence[float]) -> float | 
     if p is None or not u:
         return None
     return p / u - 1.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Input pipeline: time spent waiting for data (read by kprof.rules.diagnoses.input_pipeline)
+
+
+def _merge(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted, disjoint union of intervals."""
+    if len(starts) == 0:
+        return np.zeros(0), np.zeros(0)
+    o = np.argsort(starts, kind="stable")
+    s, e = np.asarray(starts, float)[o], np.asarray(ends, float)[o]
+    run_end = np.maximum.accumulate(e)
+    new = np.r_[True, s[1:] > run_end[:-1]]  # a gap before this interval starts a new block
+    block = np.cumsum(new) - 1
+    return s[new], pd.Series(run_end).groupby(block).max().to_numpy()
+
+
+def _covered(bs: np.ndarray, be: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Length of the disjoint intervals (bs, be) lying before each time t."""
+    if len(bs) == 0:
+        return np.zeros(len(t))
+    cum = np.r_[0.0, np.cumsum(be - bs)]
+    i = np.searchsorted(bs, t, side="right")  # intervals starting at or before t
+    last = np.clip(i - 1, 0, None)
+    # the intervals before the last one that started are whole; that one counts up to t
+    return cum[last] + np.where(i > 0, np.clip(t - bs[last], 0, be[last] - bs[last]), 0.0)
+
+
+def _idle_in(starts, ends, bs, be) -> float:
+    """Time inside the union of [starts, ends) during which none of the busy intervals ran."""
+    s, e = _merge(np.asarray(starts, float), np.asarray(ends, float))
+    return float(((e - s) - (_covered(bs, be, e) - _covered(bs, be, s))).sum())
+
+
+def input_wait_by_step(ranges: pd.DataFrame, kernels: pd.DataFrame | None, steps) -> pd.DataFrame:
+    """Per recorded step: the input pipeline's host time (trace.input_ranges) and, on a GPU run
+    (`kernels`: every device activity of a GPU trace, trace.TraceEvents.device, with its
+    `ts (us)` and `dur (us)`), the device idle time inside it: the part of
+    those host intervals when no kernel, memcpy or memset ran on any stream, i.e. the GPU waited
+    for the next batch (a DataLoader fetch) or for a blocking copy call to return. `kernels` None
+    (CPU run): the idle columns are NaN, there is no device to wait.
+
+    Columns: step, iterator, loader calls, loader (us), loader idle (us), h2d copies, h2d pageable,
+    h2d host (us), h2d device (us), h2d idle (us), idle (us) (the union of both). Empty when the
+    steps have no DataLoader fetch and no host-to-device copy."""
+    cols = ["step", "iterator", "loader calls", "loader (us)", "loader idle (us)", "h2d copies", "h2d pageable",
+            "h2d host (us)", "h2d device (us)", "h2d idle (us)", "idle (us)"]
+    if ranges is None or ranges.empty:
+        return pd.DataFrame({c: pd.Series(dtype=object if c == "iterator" else float) for c in cols})
+    gpu = kernels is not None and not kernels.empty
+    bs, be = _merge(kernels["ts (us)"].to_numpy(float), (kernels["ts (us)"] + kernels["dur (us)"]).to_numpy(float)) \
+        if gpu else (np.zeros(0), np.zeros(0))
+    rows = []
+    for step in steps:
+        r = ranges[ranges["step"] == step]
+        lo, hd = r[r["kind"] == "loader"], r[r["kind"] == "h2d"]
+
+        def idle(x: pd.DataFrame) -> float:
+            return _idle_in(x["ts (us)"], x["end (us)"], bs, be) if gpu else math.nan
+
+        rows.append({"step": step, "iterator": lo["name"].iloc[0] if len(lo) else "",
+                     "loader calls": len(lo), "loader (us)": float(lo["dur (us)"].sum()), "loader idle (us)": idle(lo),
+                     "h2d copies": len(hd), "h2d pageable": int(hd["name"].str.contains("Pageable").sum()),
+                     "h2d host (us)": float(hd["dur (us)"].sum()),
+                     "h2d device (us)": float(pd.to_numeric(hd["device (us)"], errors="coerce").sum()),
+                     "h2d idle (us)": idle(hd), "idle (us)": idle(r)})
+    return pd.DataFrame(rows, columns=cols)

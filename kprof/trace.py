@@ -721,3 +721,46 @@ def _gpu_rows(events: TraceEvents, names: np.ndarray) -> pd.DataFrame:
     g["op"] = np.where(hr >= 0, names[np.clip(hr, 0, None)], g["kernel"])
     g["op"] = np.where((hr >= 0) & is_op[np.clip(hr, 0, None)], g["op"], g["kernel"])
     return g
+
+
+# ----------------------------------------------------------------------------------------------
+# Input pipeline: data-loader fetches and host-to-device copies (read by analysis.input_wait_by_step)
+
+# torch.utils.data wraps every batch fetch in record_function("enumerate(DataLoader)#<Iterator>.__next__")
+# (torch/utils/data/dataloader.py, _BaseDataLoaderIter.__next__); <Iterator> is
+# _SingleProcessDataLoaderIter for num_workers=0, _MultiProcessingDataLoaderIter otherwise.
+DATA_LOADER_RE = re.compile(r"^enumerate\(DataLoader\)#(\w+)\.__next__$")
+# CUPTI's memcpy kinds as Kineto names them: "Memcpy HtoD (Pageable -> Device)", "(Pinned -> Device)".
+H2D_PREFIX = "Memcpy HtoD"
+
+
+def input_ranges(events: TraceEvents) -> pd.DataFrame:
+    """Host intervals of the input pipeline in the recorded steps, one row each: `kind` "loader"
+    (a DataLoader batch fetch; `name` is the iterator class) or "h2d" (the host call that issued
+    a host-to-device memcpy, e.g. cudaMemcpyAsync, which blocks the host for pageable memory;
+    `name` is the memcpy's name, `device (us)` its duration on the device). Columns: step, kind,
+    name, ts (us), dur (us), end (us), device (us)."""
+    cols = ["step", "kind", "name", "ts (us)", "dur (us)", "end (us)", "device (us)"]
+    parts = []
+    h = events.host
+    if len(h):
+        it = h["name"].astype(str).str.extract(DATA_LOADER_RE)[0]
+        lo = h[it.notna().to_numpy()]
+        parts.append(pd.DataFrame({"step": _step_of(lo["start_ns"].to_numpy(), events.steps), "kind": "loader",
+                                   "name": it[it.notna()].to_numpy(), "ts (us)": lo["ts (us)"].to_numpy(),
+                                   "dur (us)": lo["dur (us)"].to_numpy(), "device (us)": np.nan}))
+    d = events.device
+    if len(d) and len(h):
+        sel = d["name"].astype(str).str.startswith(H2D_PREFIX).to_numpy() & (d["launch"].to_numpy() >= 0)
+        if sel.any():
+            launch = d["launch"].to_numpy()[sel]
+            parts.append(pd.DataFrame({"step": _device_steps(events)[sel], "kind": "h2d",
+                                       "name": d["name"].to_numpy()[sel], "ts (us)": h["ts (us)"].to_numpy()[launch],
+                                       "dur (us)": h["dur (us)"].to_numpy()[launch],
+                                       "device (us)": d["dur (us)"].to_numpy()[sel]}))
+    out = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=cols)
+    if out.empty:
+        return pd.DataFrame({c: pd.Series(dtype=object if c in ("kind", "name") else float) for c in cols})
+    out["end (us)"] = out["ts (us)"] + out["dur (us)"]
+    out = out[out["step"] >= 0]
+    return out[cols].sort_values("ts (us)", kind="stable").reset_index(drop=True)

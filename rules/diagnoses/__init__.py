@@ -18,12 +18,18 @@ import math
 import pandas as pd
 
 from kprof.rules.diagnoses import fp32_matmul, host_sync, unfused_optimizer
+from kprof.rules.diagnoses import input_pipeline, launch_bound
+from kprof.rules.diagnoses import manual_attention, matmul_shapes
 from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, n_steps, step_ms
 
 DIAGNOSES: list[Diagnosis] = [
     host_sync.DIAGNOSIS,
     fp32_matmul.DIAGNOSIS,
     unfused_optimizer.DIAGNOSIS,
+    input_pipeline.DIAGNOSIS,
+    launch_bound.DIAGNOSIS,
+    manual_attention.DIAGNOSIS,
+    matmul_shapes.DIAGNOSIS,
 ]
 
 COLUMNS = ["id", "title", "where", "paths", "module_class", "source", "ms/step", "% of step", "class",

@@ -1,0 +1,168 @@
+"""Launch-bound step: the GPU idles between many short kernels -> CUDA graphs / torch.compile(mode="reduce-overhead").
+
+When kernels take less time on the device than the host needs to launch the next one, the GPU
+runs ahead of the host and waits: the step's time is the host's launch rate, not the GPU's work
+(on the H200 machine `x + 1` costs the host 12.2 us per call and a direct Triton launch 23.8 us,
+benchmarks/results/host-overhead-h200-20261129.txt; `kprof calibrate` puts the latency threshold
+at 14.1 us there, calibration-h200-20261129.json). A CUDA graph replays the whole step's
+launches from one host call, so the gaps between kernels close; torch.compile(mode=
+"reduce-overhead") records one for the compiled region (and also fuses kernels).
+
+Evidence (GPU runs only):
+- summary["idle_by_step"]: the device idle and busy time in each step's window (medians over
+  steps). The profiler adds host time to every op, so profiled steps idle more than real ones:
+  the idle used is the smaller of the profiled idle and the unprofiled step time
+  (summary["step_time_ms"]) minus the busy time, which the profiler does not change;
+- ops.parquet (`device_time (us)`, `n_kernels`): the kernels per step and how many of them are
+  shorter than the run's calibrated launch latency summary["ceilings"]["latency_us"] (per launch:
+  an op's device time / its kernels); without an op table, summary["class_breakdown"]'s
+  latency-bound ops/step stand in (a share of ops, not of kernels);
+- summary["input_wait_by_step"] (input_pipeline's evidence): the idle spent waiting for data,
+  which a graph does not recover, is taken out.
+It fires only when the rest of the idle is at least MIN_IDLE_SHARE of the step window and most
+kernels are short: a step with long kernels and idle gaps is stalled by something else (host
+syncs, Python work between launches), which host_sync and the other diagnoses point at.
+
+Saving: that idle per step minus the data-wait idle (medians over steps): an upper bound.
+Host syncs inside the step share that idle and break a graph (they must go first); graph
+replay's own gaps between kernels are not subtracted.
+
+CPU runs: no finding. Ops run synchronously on the host, there is no device to idle and CUDA
+graphs don't apply; an op's dispatch overhead is already part of its own time (the report's
+latency-bound class). Flagging "many tiny ops" there would flag every small model on a CPU: the
+clean planted script tests/diagnoses_scripts/adamw_fused.py, profiled on a 2-core CPU, runs 139
+ops/step, 98% of them under the CPU's 20 us default latency threshold (median 1.2 us).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+import pandas as pd
+
+from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, n_steps
+from kprof.rules.diagnoses.unfused_optimizer import construction_line
+
+# The idle left after data waits must be at least 10% of the step window. Reference for a
+# healthy step: the H200 Llama-1B run (benchmarks/results/summary-20261129-190658-llama_train.json)
+# idles 1.9-2.0% of its steady steps (10% and 21% in the two steps that print the loss).
+MIN_IDLE_SHARE = 0.10
+# At least half the kernels must be shorter than the launch latency; that run has 208 of its
+# 984 ops/step (21%) in the latency-bound class.
+MIN_SHORT_SHARE = 0.5
+# "high" confidence: the GPU idles most of the step and nearly every kernel is short.
+HIGH_IDLE_SHARE, HIGH_SHORT_SHARE = 0.5, 0.8
+
+
+def _median(rows: list[dict], key: str) -> float:
+    xs = [float(r[key]) for r in rows if r.get(key) is not None and math.isfinite(float(r[key]))]
+    return statistics.median(xs) if xs else math.nan
+
+
+def kernel_stats(ops: pd.DataFrame, summary: dict, latency_us: float) -> dict | None:
+    """Kernels per step, the share shorter than `latency_us` and their median duration (us), from
+    the op table (kernel-weighted), or from the class breakdown (op-weighted) without one."""
+    n = n_steps(ops, summary)
+    if ops is not None and len(ops) and {"n_kernels", "device_time (us)"} <= set(ops.columns):
+        k = pd.to_numeric(ops["n_kernels"], errors="coerce").fillna(0).to_numpy(float)
+        t = pd.to_numeric(ops["device_time (us)"], errors="coerce").fillna(0).to_numpy(float)
+        has = k > 0
+        if has.any():
+            per = t[has] / k[has]
+            order = np.argsort(per)
+            cum = np.cumsum(k[has][order])
+            median = float(per[order][np.searchsorted(cum, cum[-1] / 2)])
+            names = ops.loc[has, "kernel"].astype(str) if "kernel" in ops else pd.Series(dtype=str)
+            return {"source": "ops", "kernels per step": float(k[has].sum()) / n,
+                    "short share": float(k[has][per < latency_us].sum() / k[has].sum()),
+                    "median kernel us": median, "compiled": bool(names.str.startswith("triton_").any())}
+    cb = {r.get("class"): float(r.get("ops/step") or 0) for r in summary.get("class_breakdown") or []}
+    total = sum(v for c, v in cb.items() if c != "idle")
+    if total <= 0:
+        return None
+    return {"source": "class_breakdown", "kernels per step": total, "short share": cb.get("latency-bound", 0.0) / total,
+            "median kernel us": math.nan, "compiled": False}
+
+
+def find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
+    if not is_gpu_run(summary):
+        return []  # see the module docstring: no device to idle on a CPU run
+    idle_rows = summary.get("idle_by_step") or []
+    idle_us, window_us = _median(idle_rows, "idle (us)"), _median(idle_rows, "window (us)")
+    ceil = summary.get("ceilings") or {}
+    lat = float(ceil.get("latency_us") or math.nan)
+    if not (math.isfinite(idle_us) and math.isfinite(window_us) and window_us > 0 and math.isfinite(lat)):
+        return []
+    # The profiler adds host time to every op, so a profiled step idles more than a real one; the
+    # kernels take the same time either way, so the unprofiled step's idle is its time minus the
+    # device busy time (when the runner timed unprofiled steps).
+    busy_us = _median(idle_rows, "busy (us)")
+    plain_ms = float((summary.get("step_time_ms") or {}).get("median") or math.nan)
+    if math.isfinite(plain_ms) and math.isfinite(busy_us) and plain_ms > 0:
+        idle_us, window_us = min(idle_us, max(plain_ms * 1e3 - busy_us, 0.0)), min(window_us, plain_ms * 1e3)
+        basis = "unprofiled step time - device busy time"
+    else:
+        basis = "profiled steps"
+    wait_us = _median(summary.get("input_wait_by_step") or [], "idle (us)")
+    wait_us = min(wait_us, idle_us) if math.isfinite(wait_us) else 0.0
+    rest_us = max(idle_us - wait_us, 0.0)
+    ks = kernel_stats(ops, summary, lat)
+    if ks is None or rest_us < MIN_IDLE_SHARE * window_us or ks["short share"] < MIN_SHORT_SHARE:
+        return []
+
+    syncs = sum(int(s.get("count") or 0) for s in summary.get("syncs") or [])
+    per_launch_us = window_us / ks["kernels per step"] if ks["kernels per step"] else math.nan
+    unit = "kernels" if ks["source"] == "ops" else "ops"
+    lines = [f"GPU idle {idle_us / 1e3:.3f} ms/step ({idle_us / window_us:.0%} of the {window_us / 1e3:.3f} ms step, "
+             f"median over steps; {basis})",
+             f"{ks['kernels per step']:.0f} {unit}/step, {ks['short share']:.0%} shorter than the {lat:g} us launch "
+             f"latency" + (f" (median kernel {ks['median kernel us']:.1f} us)" if math.isfinite(ks["median kernel us"]) else ""),
+             f"one launch every {per_launch_us:.1f} us of step"
+             + (": longer than the median kernel, so the host's launch rate sets the pace"
+                if per_launch_us > ks["median kernel us"] else "")]
+    if wait_us:
+        lines.append(f"minus {wait_us / 1e3:.3f} ms/step of idle waiting for data (input_pipeline)")
+    if syncs:
+        lines.append(f"{syncs} host syncs in the recorded steps (host_sync): remove them first, a graph can't hold them")
+
+    root = (summary.get("module_classes") or {}).get("")
+    site = construction_line(summary.get("script"), root.rsplit(".", 1)[-1] if root else None)
+    mode = 'torch.compile(model, mode="reduce-overhead")'
+    if ks["compiled"]:
+        how = f'already compiled (Triton kernels): compile with mode="reduce-overhead" to add CUDA graphs: {mode}'
+    else:
+        how = f"{mode} (CUDA graphs + fusion), or capture the step with torch.cuda.make_graphed_callables / torch.cuda.graph"
+    if site:
+        path, line = site[0].rsplit(":", 1)
+        how = f"{path.rsplit('/', 1)[-1]}:{line} (the model, `{site[1]}`): {how}"
+    note = (f"upper bound: GPU idle per step ({basis}) minus the idle waiting for data (medians); a CUDA graph "
+            "replays the step's launches in one call, so at most this is recovered (graph replay's own gaps not subtracted)")
+    if syncs:
+        note += "; host syncs in the step share this idle"
+    short, idle_share = ks["short share"], idle_us / window_us
+    if ceil.get("kind") == "default":
+        conf = "low"  # the latency threshold is a guess, not this GPU's
+    elif idle_share >= HIGH_IDLE_SHARE and short >= HIGH_SHORT_SHARE and not syncs and ks["source"] == "ops":
+        conf = "high"
+    else:
+        conf = "medium"
+    return [Finding(
+        where=f"whole step ({root})" if root else "whole step",
+        evidence="\n".join(lines),
+        change="capture the step in a CUDA graph (launch all its kernels in one call); static shapes, no host syncs",
+        how=how,
+        ms_per_step=idle_us / 1e3,
+        saving_ms=rest_us / 1e3,
+        saving_note=note,
+        source=site[0] if site else "",
+        paths=[site[0]] if site else [],
+        cls="launch-bound",
+        confidence=conf,
+        details=[{"idle ms/step": idle_us / 1e3, "step ms": window_us / 1e3, "idle basis": basis,
+                  "data wait ms/step": wait_us / 1e3, "latency us": lat, "host syncs": syncs} | ks],
+    )]
+
+
+DIAGNOSIS = Diagnosis(id="launch_bound", title="launch-bound step (GPU idle between short kernels)", find=find)
