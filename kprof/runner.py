@@ -226,6 +226,46 @@ def device_info(use_cuda: bool | None = None) -> dict:
     return info
 
 
+def _torch_flags() -> dict:
+    """The process-wide torch settings a training script commonly changes."""
+    return {
+        "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+        "fp32_precision": torch.get_float32_matmul_precision(),
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "default_dtype": torch.get_default_dtype(),
+        "grad": torch.is_grad_enabled(),
+    }
+
+
+def _restore_torch_flags(f: dict) -> None:
+    # The precision setter first: it also sets allow_tf32, which the explicit value then overrides.
+    torch.set_float32_matmul_precision(f["fp32_precision"])
+    torch.backends.cuda.matmul.allow_tf32 = f["matmul_tf32"]
+    torch.backends.cudnn.allow_tf32 = f["cudnn_tf32"]
+    torch.backends.cudnn.benchmark = f["cudnn_benchmark"]
+    torch.backends.cudnn.deterministic = f["cudnn_deterministic"]
+    torch.use_deterministic_algorithms(f["deterministic"])
+    torch.set_default_dtype(f["default_dtype"])
+    torch.set_grad_enabled(f["grad"])
+
+
+_NEVER_FORGET = frozenset({"kprof", "torch", "triton", "transformers", "nvtx", "numpy", "pandas"})
+
+
+def _forget_modules(before: set, script_dir: str) -> None:
+    """Drop the modules imported during the run from the script's folder (its helpers)."""
+    root = os.path.join(script_dir, "")
+    for name in set(sys.modules) - before:
+        if name.split(".")[0] in _NEVER_FORGET:  # a script beside kprof's own checkout
+            continue
+        f = getattr(sys.modules.get(name), "__file__", None) or ""
+        if f and os.path.realpath(f).startswith(root):
+            sys.modules.pop(name, None)
+
+
 def _dist_version(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)
@@ -364,6 +404,7 @@ class _Session:
         status, error, exit_code = "completed", None, 0
         abort: BaseException | None = None
         saved_argv, saved_path = sys.argv, list(sys.path)
+        saved_modules, saved_torch = set(sys.modules), _torch_flags()
         try:
             self._install()
         except BaseException:
@@ -381,6 +422,12 @@ class _Session:
             finally:
                 sys.argv = saved_argv
                 sys.path[:] = saved_path
+                # Two runs in one process (kprof apply, --compare, the library API) must not see
+                # each other: the script's own modules are imported afresh next time (a planted
+                # script's helper module kept the first run's device, H200 2026-11-29), and the
+                # torch flags it set (TF32, cuDNN, default dtype) are put back.
+                _forget_modules(saved_modules, os.path.dirname(os.path.realpath(self.script)))
+                _restore_torch_flags(saved_torch)
         except _StopScript:
             status = "stopped"
         except _AbortRun as e:
@@ -886,7 +933,10 @@ class _Session:
         self.annotating = False
         if self.detector is not None:
             self.detector.uninstall()
-            self.syncs = self.detector.summary()
+            # Whether the script used the GPU, not whether there is one: a CPU script on a GPU
+            # machine gets the CPU run's would-be syncs.
+            used = self.cuda_run and torch.cuda.is_initialized() and torch.cuda.max_memory_allocated() > 0
+            self.syncs = self.detector.summary(cuda_used=used)
             self.detector = None
         if self.prof is None:
             return

@@ -217,6 +217,7 @@ class _Site:
     code: str
     function: str
     via: str | None
+    real: bool  # a device tensor was read back (a real sync), or a CPU run's would-be sync
     count: int = 0
     steps: set = field(default_factory=set)
 
@@ -263,14 +264,16 @@ class SyncDetector(TorchFunctionMode):
                     hit = None
                 if hit is not None:
                     kind, tensor, counts_on_cpu = hit
-                    if self.cuda_run:
-                        if isinstance(tensor, torch.Tensor) and tensor.device.type not in ("cpu", "meta"):
-                            self._record(kind)
+                    # Both kinds are kept; summary() reports one set, by whether the script used
+                    # the GPU (known only at the end: a script on the CPU of a GPU machine is a
+                    # CPU run, H200 2026-11-29).
+                    if self.cuda_run and isinstance(tensor, torch.Tensor) and tensor.device.type not in ("cpu", "meta"):
+                        self._record(kind, real=True)
                     elif counts_on_cpu and not self._called_by_torch():
                         # On a CPU run torch's own calls are skipped: torch code reads back
                         # host-side tensors on purpose (AdamW's `step` counter is a CPU tensor
                         # even for CUDA params), which would be false alarms here.
-                        self._record(kind)
+                        self._record(kind, real=False)
         return func(*args, **kwargs)
 
     # -- install / uninstall -----------------------------------------------------------------
@@ -284,7 +287,7 @@ class SyncDetector(TorchFunctionMode):
 
         def synchronize(device=None):
             if detector.step is not None:
-                detector._record("torch.cuda.synchronize")
+                detector._record("torch.cuda.synchronize", real=detector.cuda_run)
             return orig(device)
 
         synchronize.__wrapped__ = orig  # type: ignore[attr-defined]
@@ -332,7 +335,7 @@ class SyncDetector(TorchFunctionMode):
             return own
         return False
 
-    def _record(self, kind: str) -> None:
+    def _record(self, kind: str, real: bool) -> None:
         frame = sys._getframe(1)
         user = None
         via = None
@@ -349,17 +352,19 @@ class SyncDetector(TorchFunctionMode):
         else:
             file, line, function = user.f_code.co_filename, user.f_lineno, user.f_code.co_name
         del frame, user
-        key = (kind, file, line)
+        key = (kind, file, line, real)
         s = self._sites.get(key)
         if s is None:
             code = linecache.getline(file, line).strip() if line else ""
-            s = self._sites[key] = _Site(kind, file, line, code, function, via)
+            s = self._sites[key] = _Site(kind, file, line, code, function, via, real)
         s.count += 1
         if self.step is not None:
             s.steps.add(self.step)
 
-    def summary(self) -> list[dict]:
-        """One dict per (kind, file, line), most frequent first."""
+    def summary(self, cuda_used: bool | None = None) -> list[dict]:
+        """One dict per (kind, file, line), most frequent first: the real syncs of a run that used
+        the GPU (`cuda_used`, default: a CUDA machine), else the calls that would sync on one."""
+        real = self.cuda_run if cuda_used is None else bool(cuda_used)
         rows = [
             {
                 "kind": s.kind,
@@ -370,11 +375,11 @@ class SyncDetector(TorchFunctionMode):
                 "count": s.count,
                 "steps": sorted(s.steps),
                 # On a CPU-only run nothing really waits; these calls would on a GPU.
-                "would_sync_on_gpu": not self.cuda_run,
-                "real": self.cuda_run,
+                "would_sync_on_gpu": not real,
+                "real": real,
                 "via": s.via,
             }
-            for s in self._sites.values()
+            for s in self._sites.values() if s.real == real
         ]
         rows.sort(key=lambda r: (-r["count"], r["file"], r["line"], r["kind"]))
         return rows

@@ -324,8 +324,13 @@ def test_gpu_slow_loader_idle_measured(tmp_path):
     row = d.loc["input_pipeline"]
     det = row["details"][0]
     assert row["saving note"].startswith("measured")
-    # the GPU idles for most of the 8 ms of sleep per batch, and the batch copy is pageable
-    assert 4.0 < row["saving ms/step"] <= det["loader ms/step"] + det["h2d host ms/step"]
+    # The GPU idles for most of the 8 ms of sleep per batch, and the batch copy is pageable. The
+    # saving is the median over steps of (loader + copy) idle, the details are medians of each
+    # part: median(a + b) can exceed median(a) + median(b) (H200 run: 8.954 vs 8.906 + 0.047), so
+    # the bound is the parts' largest step, not their medians' sum.
+    per_step = run.summary["input_wait_by_step"]
+    worst = max(float(r.get("loader (us)") or 0) + float(r.get("h2d host (us)") or 0) for r in per_step) / 1e3
+    assert 4.0 < row["saving ms/step"] <= worst, (row["saving ms/step"], per_step)
     assert det["h2d pageable per step"] >= 1 and "pin_memory=True" in row["how"]
     if "launch_bound" in d.index:  # the tiny MLP may be launch-bound too, but not for the data wait
         assert d.loc["launch_bound", "saving ms/step"] < row["saving ms/step"]

@@ -232,7 +232,8 @@ def test_gpu_item_sync_saving_bounded_by_idle(tmp_path):
                          out_root=tmp_path)
     d = diagnose(run)
     # A tiny MLP on an H200 is launch-bound too: launch_bound may fire beside the sync.
-    assert "host_sync" in d["id"].tolist(), d
+    assert "host_sync" in d["id"].tolist(), (d, run.summary["status"], run.summary["steps_recorded"],
+                                             run.summary["device"].get("type"), run.summary["syncs"])
     row = d.set_index("id").loc["host_sync"]
     assert row["details"][0]["line"] == _line("item_sync.py", "item-sync")
     assert row["saving note"].startswith("upper bound") and row["saving ms/step"] >= 0

@@ -383,14 +383,16 @@ def test_patched_model_under_torch_compile_gpu():
     model = copy.deepcopy(ref)
     x = torch.randint(0, V, (2, 33), device="cuda")
     report = kprof_patch(model)
-    _loss("llama", model, x).backward()  # first call verifies eagerly
-    assert all(r.status == "verified" for r in report.records), str(report)
-    compiled = torch.compile(model)
-    loss = _loss("llama", compiled, x)
-    loss.backward()
+    try:  # the rope patch is module-global: a failure here must not leak it into other tests
+        _loss("llama", model, x).backward()  # first call verifies eagerly
+        assert all(r.status == "verified" for r in report.records), str(report)
+        compiled = torch.compile(model)
+        loss = _loss("llama", compiled, x)
+        loss.backward()
+    finally:
+        report.unpatch()
     with torch.no_grad():
         torch.testing.assert_close(loss, _loss("llama", ref, x), rtol=2e-5, atol=1e-5)
-    report.unpatch()
 
 
 def test_first_call_inside_torch_compile_verifies_eagerly():

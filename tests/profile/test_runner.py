@@ -562,3 +562,27 @@ def test_nvtx_falls_back_when_the_package_is_missing(monkeypatch):
         monkeypatch.undo()
         importlib.reload(knvtx)
     assert knvtx.BACKEND in ("nvtx", "torch.cuda.nvtx", "none")
+
+
+def test_runs_in_one_process_do_not_leak_into_each_other(tmp_path):
+    # H200, 2026-11-29: a planted script set TF32 and its helper module kept the first run's
+    # device; the next in-process runs (tests, `kprof apply`) inherited both.
+    (tmp_path / "helper_mod.py").write_text("import sys\nDEVICE = sys.argv[-1]\n")
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, helper_mod\n"
+        "torch.backends.cuda.matmul.allow_tf32 = True\n"
+        "torch.set_default_dtype(torch.float64)\n"
+        "m = torch.nn.Linear(2, 2)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "for _ in range(4):\n"
+        "    m(torch.ones(1, 2)).sum().backward(); opt.step(); opt.zero_grad()\n"
+        "print('device', helper_mod.DEVICE)\n"
+    )
+    from kprof.runner import RunConfig, run_script
+
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.get_default_dtype())
+    for arg in ("first", "second"):
+        r = run_script(str(script), [arg], RunConfig(warmup=1, steps=1, trace_dir=str(tmp_path)))
+        assert r.status in ("completed", "stopped") and r.steps_recorded == 1, r.error  # stopped: all steps recorded
+        assert "helper_mod" not in sys.modules  # imported afresh by the next run
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.get_default_dtype()) == before
