@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from kprof.kernels import bias_gelu, cross_entropy, layer_norm, rms_norm
+from kprof.kernels.bias_gelu import bias_gelu
+from kprof.kernels.cross_entropy import cross_entropy
+from kprof.kernels.layer_norm import layer_norm
+from kprof.kernels.rms_norm import rms_norm
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ N=8192, H=4096, V=128256:
   grad_W update: the addmm streams grad_W ([V, H], 2 B read + 2 B written per element) against
   2*C FLOPs per element: memory-bound below C ~ 412 (0.49 ms of traffic vs 0.36 ms of math per
   chunk at C = 256), so small chunks cost time; measured trade-off and the default: `chunk_rows`.
-  Memory beyond the outputs (grad_h, grad_W): one [C, V] chunk = 66 MB at C = 256.
+  Memory beyond the outputs (grad_h, grad_W): one [C, V] chunk = 131 MB at C = 512.
 
 Precision of grad_W: by default it is accumulated in the weight's dtype: each chunk's GEMM
 accumulates in fp32 inside cuBLAS and rounds once when adding into grad_W, so a bf16 grad_W
@@ -66,40 +66,28 @@ from kprof.kernels.registry import Cost, KernelSpec, register
 # Rows per chunk. The chunk buffer ([C, V] in the input dtype) is the memory this kernel adds
 # beyond the grads it must return, and the grad_W update streams all of grad_W once per chunk
 # (2 x V x H x 2 B), so C trades memory for speed. Measured on the H200 (2026-11-29, N=8192,
-# H=4096, V=128256, bf16, fwd+bwd, `python -m benchmarks.cases.loss`):
-#     C =  256:  52.6 ms, 1.22 GB extra     C = 1024: 40.9 ms, 1.38 GB
-#     C =  512:  43.2 ms, 1.25 GB           C = 2048: 38.9 ms, 1.64 GB
-#     (torch.compile 39.1 ms / 3.2 GB; Liger 55.6 ms / 1.18 GB in the same session)
-# The default keeps the chunk buffer about the size of the hidden states (C = next power of two
-# of N / ceil(V / H): Liger's bound, so that a patched model never needs more memory than with
-# Liger); chunk_size=2048 is the fast setting when memory allows (README, kernel table).
-_MAX_ROWS = 2048
-_MIN_BUFFER_BYTES = 32 * 2**20
+# H=4096, V=128256, bf16, fwd+bwd; `python -m benchmarks.cases.loss` and bench_kernels.py):
+#     C =  256:  52.6 ms, 1.22 GB extra (bench_kernels: 54.4 ms, 1129 MiB = Liger's memory)
+#     C =  512:  43.2 ms, 1.25 GB       C = 1024: 40.9 ms, 1.38 GB
+#     C = 2048:  38.9 ms, 1.64 GB       (bench_kernels: 41.2 ms, 1567 MiB)
+#     torch.compile 39.1-40.1 ms / 3070 MiB; Liger (C = 256 here) 55.6-56.0 ms / 1129 MiB
+# The default, 512 rows, is the smallest chunk whose grad_W update stays compute-bound (2C FLOPs
+# per 4 B of grad_W traffic >= the ~206 FLOP/B ridge): 22% faster than Liger for 63 MiB more
+# (one more half chunk). chunk_size=256 matches Liger's memory, 2048 torch.compile's speed.
+# With an fp32 accumulator the update moves twice the bytes, so twice the rows.
+_GEMM_ROWS_BY_ACC_BYTES = {2: 512, 4: 1024}
 # Never let the chunk buffer take more than this share of the free device memory.
 _FREE_MEMORY_SHARE = 8
 
 
-def chunk_rows(n_rows: int, vocab: int, dtype: torch.dtype, acc_dtype: torch.dtype, device: torch.device,
-               hidden: int | None = None) -> int:
-    """Rows per chunk: the chunk buffer within about the hidden states' size, capped by free
-    memory and N. `acc_dtype` is accepted for symmetry; the bound does not depend on it."""
-    rows = _MAX_ROWS
-    elem = _itemsize(dtype)
-    if hidden:
-        liger = triton_next_pow2(max(1, -(-max(n_rows, 1) // -(-vocab // hidden))))
-        # ...but never below a 32 MiB buffer: at small N the hidden-size bound would mean chunks
-        # of a few rows (N = 100 at H = 4096 -> 4), each a full pass over grad_W.
-        floor = 1 << max(0, (_MIN_BUFFER_BYTES // (vocab * elem)).bit_length() - 1)
-        rows = min(rows, max(liger, floor))
+def chunk_rows(n_rows: int, vocab: int, dtype: torch.dtype, acc_dtype: torch.dtype, device: torch.device) -> int:
+    """Rows per chunk: enough for a compute-bound grad_W update, capped by free memory and N."""
+    rows = _GEMM_ROWS_BY_ACC_BYTES[_itemsize(acc_dtype)]
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        rows = min(rows, free // (_FREE_MEMORY_SHARE * vocab * elem))
+        rows = min(rows, free // (_FREE_MEMORY_SHARE * vocab * _itemsize(dtype)))
     return int(max(1, min(n_rows, rows)))
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << (int(n) - 1).bit_length()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -157,7 +145,7 @@ def _lce_launch(
     else:
         _check_target_values(target, vocab, ignore_index)
     any_grad = need_gh or need_gw or need_gb
-    c = chunk_size if chunk_size > 0 else chunk_rows(n, vocab, hidden.dtype, acc_dtype, dev, hidden.shape[1])
+    c = chunk_size if chunk_size > 0 else chunk_rows(n, vocab, hidden.dtype, acc_dtype, dev)
     buf = torch.empty((min(c, n), vocab), dtype=hidden.dtype, device=dev)  # reused by every chunk
     per_row_scale = grad_scale.numel() != 1
     wt = weight.t()
@@ -380,9 +368,9 @@ def linear_cross_entropy(
     (the HF LM head: logits in the input dtype, loss in fp32, returned in the input dtype); the
     options are `cross_entropy`'s. reduction='none' returns a loss shaped like `target`.
 
-    chunk_size: tokens per chunk (default `chunk_rows`: the chunk buffer about the size of the
-        hidden states, 256 rows at 8192 x 4096 -> 128256; 2048 is ~25% faster there for 0.4 GB
-        more). The extra memory is one [chunk_size, V] buffer in the input dtype.
+    chunk_size: tokens per chunk (default `chunk_rows`: 512, 1024 with an fp32 accumulator, fewer
+        if memory is short). The extra memory is one [chunk_size, V] buffer in the input dtype:
+        256 uses Liger's memory, 2048 is ~5% faster than 512 for 0.4 GB more (measured, H200).
     accum_dtype: dtype grad_weight is accumulated in across chunks: None = the weight's dtype
         (default; Liger's memory), torch.float32 = more accurate, +4 B per weight element.
 
@@ -493,7 +481,7 @@ SPEC = register(
         replaces="lm_head = F.linear(hidden, W) + F.cross_entropy(logits.float(), target) and their backward",
         dtypes=_DTYPES,
         limits=(
-            "hidden [..., H], weight [V, H], V < 2^31; chunks of ~N*H/V tokens (at most 2048) "
+            "hidden [..., H], weight [V, H], V < 2^31; chunks of 512 tokens (1024 with fp32 accumulation) "
             "or fewer when memory is short; no class weights"
         ),
         deterministic=True,  # fixed chunk order, cuBLAS on one stream, CE kernel without atomics

@@ -146,9 +146,10 @@ CASES: list[Case] = [
         liger=_liger_lce,
         problem={"n_rows": _N, "hidden": _H, "vocab": _V, "dtype": torch.bfloat16},
         targets_us={"fwdbwd": 36100},  # issue: torch.compile's time; memory target: Liger's 1.06 GB extra
-        # The default chunk keeps the chunk buffer within the hidden states' size (Liger's memory);
-        # 2048 rows buys speed with memory (sweep 2026-11-29: 38.9 ms / 1.64 GB vs 52.6 / 1.22 at 256).
-        kprof_variants={"chunk=2048": functools.partial(_lce.linear_cross_entropy, chunk_size=2048)},
+        # The chunk trades memory for speed (kernels/fused_linear_cross_entropy.py, chunk_rows):
+        # 256 rows is Liger's memory, 2048 torch.compile's speed; the default is 512.
+        kprof_variants={"chunk=256": functools.partial(_lce.linear_cross_entropy, chunk_size=256),
+                        "chunk=2048": functools.partial(_lce.linear_cross_entropy, chunk_size=2048)},
     ),
 ]
 
