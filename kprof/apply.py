@@ -1,8 +1,8 @@
 """`kprof apply SCRIPT --patch all|ID,ID`: re-run a profiled script with the planned patches and
 compare. Library side; kprof/cli_patch.py renders.
 
-1. The plan comes from the given (default: latest) run of the same script (`plan.json`, written
-   by `kprof suggest`; computed now if missing).
+1. The plan comes from the given (default: the latest plain, i.e. unpatched and uncompiled) run of
+   the same script (`plan.json`, written by `kprof suggest`; computed now if missing).
 2. The script runs under the profiler again, unmodified: the runner calls `on_root_module` at
    each root module's first call, before its forward, and `kprof.patch` installs the chosen rules
    there. Each patch verifies itself on its first real call (kprof/verify.py); failures are
@@ -10,6 +10,8 @@ compare. Library side; kprof/cli_patch.py renders.
 3. The same number of warmup and recorded steps is profiled and saved as a new run; the result
    holds both runs side by side: step time, tokens/s, peak memory, per suggestion the measured vs
    predicted saving, and the first losses of both runs.
+
+`kprof apply SCRIPT --compare` (eager vs patches vs torch.compile vs both) lives in kprof/compare.py.
 """
 
 from __future__ import annotations
@@ -75,6 +77,58 @@ def check_same_script(run, script: str) -> None:
     if Path(planned).resolve() != Path(script).resolve():
         raise KprofError(f"run {run.name} profiled {planned}, not {script}; profile this script first "
                          f"(kprof profile {script}) or pass --run with one of its runs")
+
+
+def is_plain_run(path) -> bool:
+    """A run of the script as written: not the patched run of an `apply` (apply.json) nor a
+    patched or compiled variant of `apply --compare` (compare.json naming another run as eager).
+    Only such a run's plan reflects the unpatched model."""
+    from kprof.compare import COMPARE
+
+    path = Path(path)
+    if (path / "apply.json").exists():
+        return False
+    try:
+        doc = json.loads((path / COMPARE).read_text())
+    except (OSError, ValueError):
+        return True
+    return (doc.get("runs") or {}).get("eager") == path.name
+
+
+def latest_plain_run(root):
+    """The latest run that is_plain_run (else the latest run): what `apply` plans from by default,
+    so that a previous apply or --compare's patched/compiled runs are not mistaken for a profile."""
+    from kprof import store
+
+    for p in reversed(store.list_runs(root)):
+        if is_plain_run(p):
+            try:
+                return store.Run(path=p, summary=store.load_summary(p))
+            except KprofError:
+                continue
+    return store.load_run(None, root)
+
+
+def plan_for(before, rules_dir: str | None = None) -> dict:
+    """The run's plan.json, computed and saved now (as `kprof suggest` would) if missing."""
+    from kprof.rules import all_rules
+    from kprof.suggest import load_plan, save_plan, suggest
+
+    try:
+        return load_plan(before)
+    except KprofError:
+        save_plan(before, suggest(before, all_rules(rules_dir)))
+        return load_plan(before)
+
+
+def check_rules(ids: Sequence[str], rules_dir: str | None) -> None:
+    """The plan's rule ids exist here (a plan made with --rules DIR needs the same DIR)."""
+    from kprof.patch import resolve_rules
+
+    try:
+        resolve_rules(list(ids), rules_dir)
+    except KprofError as e:
+        raise KprofError(f"{e}; if the plan was made with --rules DIR, pass the same --rules DIR to apply") from None
 
 
 def _subtree_us(ops: pd.DataFrame, paths: Sequence[str], n_steps: int) -> float:
@@ -189,26 +243,15 @@ def apply(
     from kprof import store
     from kprof.patch import patch as kpatch
     from kprof.profile import load_run, profile_script
-    from kprof.rules import all_rules
-    from kprof.suggest import load_plan, save_plan, suggest
 
     if not Path(script).is_file():
         raise KprofError(f"no such script: {script}")
     root = out_root or store.DEFAULT_ROOT
-    before = load_run(run, root) if run is not None else load_run(None, root)
+    before = load_run(run, root) if run is not None else latest_plain_run(root)
     check_same_script(before, script)
-    try:
-        plan = load_plan(before)
-    except KprofError:
-        save_plan(before, suggest(before, all_rules(rules_dir)))
-        plan = load_plan(before)
+    plan = plan_for(before, rules_dir)
     ids = parse_ids(patch, plan)
-    from kprof.patch import resolve_rules
-
-    try:  # a plan made with --rules DIR needs the same DIR here: fail before running the script
-        resolve_rules(ids, rules_dir)
-    except KprofError as e:
-        raise KprofError(f"{e}; if the plan was made with --rules DIR, pass the same --rules DIR to apply") from None
+    check_rules(ids, rules_dir)  # a plan made with --rules DIR needs the same DIR: fail before running the script
 
     reports = []
 

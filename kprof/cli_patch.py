@@ -122,6 +122,124 @@ def render_apply(res, out: Console | None = None) -> None:
         out.print(f"[yellow]note:[/yellow] {n}")
 
 
+def _ms(x) -> str:
+    if x is None or not math.isfinite(x):
+        return "?"
+    return f"{x:.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.2f}"
+
+
+def _mem(b) -> str:
+    if b is None:
+        return "?"
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.0f} MiB"
+
+
+def _first_line(text: str | None, n: int = 90) -> str:
+    """The telling line of an error: a traceback's `SomeError: message` line, else its first line."""
+    import re
+
+    lines = [ln.strip() for ln in (text or "").strip().splitlines() if ln.strip()]
+    exc = [ln for ln in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Failed|Interrupt)\b.*", ln)]
+    line = exc[-1] if exc else (lines[0] if lines else "")
+    return line if len(line) <= n else line[: n - 1] + "…"
+
+
+def render_compare(res, out: Console | None = None) -> None:
+    """The --compare table, its notes and the verdict (kprof.compare.CompareResult)."""
+    out = out or console
+    dev = res.device or {}
+    kind = "CPU" if res.cpu else "GPU"
+    t = Table(title=f"kprof apply --compare: {Path(res.script).name} on {dev.get('name', '?')} ({kind}), "
+                    f"{res.warmup} warm-up + {res.steps} timed steps per variant")
+    for c in ("variant", "ms/step", "p10-p90", "vs eager", "peak memory", "warm-up s", "loss @step", "vs eager loss",
+              "details"):
+        t.add_column(c, justify="left" if c in ("variant", "details") else "right", overflow="fold")
+    eager = res.row("eager")
+    for r in res.variants:
+        details = []
+        if r.patches:
+            ok = sum(p["status"] == "verified" for p in r.patches)
+            bad = sum(p["status"] == "reverted" for p in r.patches)
+            details.append(f"{ok}/{len(r.patches)} patches verified" + (f", [red]{bad} reverted[/red]" if bad else ""))
+        elif "kprof" in r.variant and r.status == "ok":
+            details.append("[yellow]no patch matched[/yellow]")
+        if r.compile:
+            gb = r.compile.get("graph_breaks")
+            style = "green" if gb == 0 else "yellow"
+            details.append(f"{_f(r.compile.get('graphs'), '{:d}')} graphs, [{style}]{_f(gb, '{:d}')} graph breaks[/{style}]")
+        if r.status == "failed":
+            details.append(f"[red]failed: {_first_line(r.error)}[/red]")
+        elif r.status == "skipped":
+            details.append(f"[yellow]skipped: {_first_line(r.error, 200)}[/yellow]")
+        st = r.step_time_ms or {}
+        spread = f"{_ms(st.get('p10'))}-{_ms(st.get('p90'))}" if st.get("median") is not None else ""
+        warm = ""
+        if r.warmup_s is not None:
+            warm = f"{r.warmup_s:.2f}"
+            if r is not eager and eager is not None and eager.warmup_s is not None:
+                warm += f" ({r.warmup_s - eager.warmup_s:+.2f})"
+        loss = f"{r.first_loss:.6g} @{r.loss_step}" if r.first_loss is not None else ""
+        if r.variant == "eager" or r.loss_agree is None:
+            agree = "" if r.variant == "eager" or r.first_loss is None else "not compared"
+        else:
+            agree = (f"[green]{r.loss_rel_diff:.1e} ok[/green]" if r.loss_agree
+                     else f"[red]{r.loss_rel_diff:.1e} DIFFERS[/red]")
+        speed = f"{r.speedup:.2f}x" if r.speedup is not None else ""
+        name = r.variant if r.status == "ok" else f"[dim]{r.variant}[/dim]"
+        t.add_row(name, _ms(st.get("median")) if st else "", spread, speed,
+                  _mem(r.peak_memory_bytes) if r.run else "", warm, loss, agree, "\n".join(details))
+    out.print(t)
+    kind_mem = next((r.peak_memory_kind for r in res.variants if r.peak_memory_kind), "")
+    out.print(f"ms/step: median of the timed steps (unprofiled); vs eager: eager's median / this one's; warm-up: "
+              f"first module call to the first timed step (+ vs eager); peak memory: {kind_mem or '?'}; loss @step: "
+              "the first step run wholly with the variant's code, against eager's loss at that step "
+              "(the steps before ran the script as written)", style="dim")
+    for r in res.variants:
+        if r.status == "failed":
+            lines = (r.error or "").strip().splitlines()
+            shown = lines if len(lines) <= 12 else lines[:3] + ["  ..."] + lines[-8:]
+            out.print(f"[red]{r.variant} failed:[/red]")
+            for ln in shown:
+                out.print(f"  {ln}", markup=False, highlight=False)
+    # The same note on several rows (e.g. both kprof rows) once, naming the rows.
+    grouped: dict[str, list[str]] = {}
+    for r in res.variants:
+        if r.compile and r.compile.get("break_reasons"):
+            for reason in r.compile["break_reasons"]:
+                grouped.setdefault(f"graph breaks: {reason}", []).append(r.variant)
+        for n in r.notes:
+            grouped.setdefault(n, []).append(r.variant)
+    for n, rows in grouped.items():
+        out.print(f"[yellow]note ({', '.join(rows)}):[/yellow] {n}")
+    kprof_rows = [r for r in res.variants if r.patches]
+    if kprof_rows:
+        by_rule: dict[str, int] = {}
+        for p in kprof_rows[0].patches:
+            by_rule[p["rule"]] = by_rule.get(p["rule"], 0) + 1
+        out.print(f"kprof patches (plan of run {res.plan_run}): "
+                  + ", ".join(f"{k} x{n}" if n > 1 else k for k, n in by_rule.items()))
+    for n in res.notes:
+        out.print(f"[yellow]note:[/yellow] {n}")
+    out.print(f"[bold]verdict: {res.verdict}[/bold]")
+    for r in res.variants:
+        if r.run:
+            out.print(f"run  {r.variant:14s} {r.run}", highlight=False)
+    if res.saved:
+        out.print(f"compare.json saved in each variant's run, e.g. {res.saved[0]}", highlight=False)
+
+
+def _compare_progress(event: str, **info) -> None:
+    from kprof.cli import err_console
+
+    i, n, v = info.get("index", 0) + 1, info.get("total", 0), info.get("variant")
+    if event == "start":
+        err_console.print(f"[dim]kprof compare: running {v} ({i}/{n}) in its own process...[/dim]")
+    elif event == "done":
+        r = info["result"]
+        what = "ok" if r.status == "ok" else f"[red]{r.status}[/red]"
+        err_console.print(f"[dim]kprof compare: {v} {what} ({r.wall_s or 0:.1f} s)[/dim]")
+
+
 def apply_cmd(
     ctx: typer.Context,
     script: Annotated[Path, typer.Argument(help="The profiled training script. Arguments after `--` go to it.")],
@@ -130,11 +248,49 @@ def apply_cmd(
                                          "(default: revert it, report, go on).")] = False,
     write: Annotated[Optional[Path], typer.Option("--write", help="Write the lines that keep these patches "
                                                   "(kprof.patch) to this file; '-' prints them.")] = None,
-    run: Annotated[Optional[str], typer.Option("--run", help="The run whose plan to apply (default: the latest).")] = None,
+    run: Annotated[Optional[str], typer.Option("--run", help="The run whose plan to apply (default: the latest run "
+                                               "of the script as written, not a patched or compiled one).")] = None,
     rules: Annotated[Optional[Path], typer.Option("--rules", help="A folder of extra rule files.")] = None,
     out: Annotated[Path, typer.Option("--out", help="Run store directory.")] = store.DEFAULT_ROOT,
+    compare: Annotated[bool, typer.Option("--compare", help="Run the script as eager, with kprof's patches, under "
+                                          "torch.compile and both, each in its own process and saved as a run, "
+                                          "and compare them in one table with a verdict.")] = False,
+    variants: Annotated[Optional[str], typer.Option("--variants", help="With --compare: which of "
+                                                    "eager,kprof,compile,kprof+compile to run (default: all).")] = None,
+    compile_mode: Annotated[Optional[str], typer.Option("--compile-mode", help="With --compare: torch.compile's mode "
+                                                        "(default, reduce-overhead, max-autotune, "
+                                                        "max-autotune-no-cudagraphs).")] = None,
+    warmup: Annotated[Optional[int], typer.Option("--warmup", help="With --compare: untimed steps per variant "
+                                                  "(default: the planned run's; at least 3 with compile).")] = None,
+    steps: Annotated[Optional[int], typer.Option("--steps", help="With --compare: timed (and recorded) steps per "
+                                                 "variant (default: the planned run's).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="With --compare: print the comparison as JSON.")] = False,
 ) -> None:
-    """Re-run SCRIPT with the planned patches, verified on first use, and compare before/after."""
+    """Re-run SCRIPT with the planned patches, verified on first use, and compare before/after;
+    with --compare, against torch.compile too."""
+    from kprof.errors import KprofError
+
+    if not compare:
+        given = [o for o, v in (("--variants", variants), ("--compile-mode", compile_mode), ("--warmup", warmup),
+                                ("--steps", steps), ("--json", json_out or None)) if v is not None]
+        if given:
+            raise KprofError(f"{', '.join(given)} only go{'es' if len(given) == 1 else ''} with --compare "
+                             f"(kprof apply SCRIPT --compare {' '.join(given)} ...)", exit_code=2)
+    else:
+        if write is not None:
+            raise KprofError("--write goes with a plain `kprof apply --patch ...` run, not --compare; run that once "
+                             "the comparison says the patches are worth keeping", exit_code=2)
+        from kprof.compare import compare as run_compare
+
+        res = run_compare(str(script), list(ctx.args), variants=variants, patch=patch, run=run, strict=strict,
+                          rules_dir=str(rules) if rules else None, compile_mode=compile_mode or "default",
+                          warmup=warmup, steps=steps, out_root=out, progress=_compare_progress)
+        if json_out:
+            print(json.dumps(res.to_dict() | {"saved": res.saved}, indent=1, allow_nan=False))
+        else:
+            render_compare(res)
+        return
+
     from kprof.apply import apply
 
     res = apply(str(script), list(ctx.args), patch=patch, run=run, strict=strict,

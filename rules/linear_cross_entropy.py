@@ -56,8 +56,9 @@ def match(path: str, m: nn.Module) -> dict | None:
     return None
 
 
-def _loss(hidden, weight, bias, target, *, num_items=None, softcap=None):
-    fused = kernel_fn(KERNEL)
+def _loss(fused, hidden, weight, bias, target, *, num_items=None, softcap=None):
+    # `fused` is looked up once when the patch is built: a lookup per call (importlib) is a
+    # graph break under torch.compile (found by `kprof apply --compare`, 2026-11-29).
     loss = fused(hidden, weight, target, bias, ignore_index=IGNORE, softcap=softcap,
                  reduction="sum" if num_items is not None else "mean")
     if num_items is not None:
@@ -71,6 +72,7 @@ def _hf_forward(m: nn.Module):
     original = type(m).forward
     sig = inspect.signature(original)
     base = getattr(m, m.base_model_prefix)
+    fused = kernel_fn(KERNEL)
     fields = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
 
     def forward(*args, **kwargs):
@@ -88,7 +90,7 @@ def _hf_forward(m: nn.Module):
         hidden = out[0]  # (B, T, H)
         # ForCausalLMLoss: pad labels with ignore_index on the right, then shift left by one.
         target = F.pad(labels, (0, 1), value=IGNORE)[..., 1:].contiguous()  # (B, T)
-        loss = _loss(hidden.reshape(-1, hidden.shape[-1]), m.lm_head.weight, m.lm_head.bias,
+        loss = _loss(fused, hidden.reshape(-1, hidden.shape[-1]), m.lm_head.weight, m.lm_head.bias,
                      target.reshape(-1).to(hidden.device), num_items=num_items,
                      softcap=getattr(m.config, "final_logit_softcapping", None))  # Gemma 2's tanh cap
         rest = {k: v for k, v in out.items() if k in fields and k != "last_hidden_state"}
@@ -99,6 +101,7 @@ def _hf_forward(m: nn.Module):
 
 def _nanogpt_forward(m: nn.Module):
     original = type(m).forward
+    fused = kernel_fn(KERNEL)
 
     def forward(idx, targets=None):
         if targets is None:
@@ -112,7 +115,7 @@ def _nanogpt_forward(m: nn.Module):
         for block in t.h:
             x = block(x)
         x = t.ln_f(x)
-        loss = _loss(x.reshape(B * T, -1), m.lm_head.weight, m.lm_head.bias, targets.reshape(-1))
+        loss = _loss(fused, x.reshape(B * T, -1), m.lm_head.weight, m.lm_head.bias, targets.reshape(-1))
         return None, loss
 
     return forward
