@@ -62,7 +62,8 @@ def resource_report() -> None:
     for info in pkgutil.iter_modules(kpkg.__path__):
         mod = importlib.import_module(f"kprof.kernels.{info.name}")
         for name, obj in vars(mod).items():
-            fn = getattr(obj, "fn", obj)  # autotuned kernels wrap the JITFunction
+            # An autotuned kernel wraps its JITFunction in .fn; a JITFunction's own .fn is the Python function.
+            fn = obj if isinstance(obj, triton.runtime.jit.JITFunction) else getattr(obj, "fn", None)
             if not isinstance(fn, triton.runtime.jit.JITFunction):
                 continue
             caches = getattr(fn, "device_caches", None) or {}

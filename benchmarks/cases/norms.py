@@ -160,16 +160,37 @@ CASES: list[Case] = [
 # --- launch-config sweep for the norm kernels (run on the GPU; not part of CASES) -------------
 
 
+def kernel_time_us(step, leaves, iters: int = 20) -> float:
+    """Summed GPU kernel time of one call of `step` (torch.profiler, median-free mean over `iters`
+    calls after 3 warm-ups): the device work alone, without the host's launch gaps. (A CUDA-graph
+    replay was the first choice; capturing this backward failed on the H200, 2026-11-29.)"""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        for t in leaves:
+            t.grad = None
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            for t in leaves:
+                t.grad = None
+            step()
+        torch.cuda.synchronize()
+    total = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    for t in leaves:
+        t.grad = None
+    return total / iters
+
+
 def sweep_norm_configs() -> list[dict]:
-    """GPU time (CUDA-graph replay, host overhead removed) of kprof's RMSNorm and LayerNorm at the
+    """GPU kernel time (torch.profiler, host overhead excluded) of kprof's RMSNorm and LayerNorm at the
     issue's shape over the launch knobs of kernels/rms_norm.py (shared by layer_norm): elements per
     block and warps for the forward; elements per block, warps and programs per SM for the
     persistent backward. `python -m benchmarks.cases.norms`. Each config is checked against the
     default one first. Rows sorted by time per (norm, pass); the first is what RowConfig should pick.
     """
     import itertools
-
-    from benchmarks.bench_kernels import graph_time_us
 
     mods = {"rms_norm": (_rms.rms_norm, _llama_inputs), "layer_norm": (_ln.layer_norm, _ln_inputs)}
     defaults = (_rms.FWD_BLOCK_ELEMS, _rms.BWD_BLOCK_ELEMS, _rms.BWD_PROGRAMS_PER_SM, _rms._num_warps)
@@ -190,18 +211,18 @@ def sweep_norm_configs() -> list[dict]:
             ref_y = fn(**inputs)
             ref = torch.autograd.grad(ref_y, leaves, dy)
             ref_y = ref_y.detach()
-            grid = [("fwd", e, defaults[1], defaults[2], w) for e in (2048, 4096, 8192, 16384) for w in (None, 4, 8, 16)]
-            grid += [("bwd", defaults[0], e, p, w) for e, p, w in itertools.product((4096, 8192, 16384), (1, 2, 4, 8), (None, 4, 8, 16))]
+            # The forward was swept on 2026-11-29 (71-80 us at every setting, the default 71.7): bwd only.
+            grid = [("bwd", defaults[0], e, p, w) for e, p, w in itertools.product((4096, 8192, 16384), (1, 2, 4), (None, 8, 16))]
             for mode, fe, be, p, w in grid:
                 configure(fe, be, p, w)
                 try:
                     y = fn(**inputs)
                     got = torch.autograd.grad(y, leaves, dy)
-                    ok = torch.equal(y, ref_y) and all((a - b).abs().max() <= 1e-2 * b.abs().max() for a, b in zip(got, ref))
-                    if mode == "fwd":
-                        us = graph_time_us(lambda: fn(**inputs), [])
-                    else:
-                        us = graph_time_us(lambda: torch.autograd.backward(fn(**inputs), dy), leaves)
+                    # Another reduction tree changes low bits, never more than bf16 rounding.
+                    ok = all(bool((a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max())
+                             for a, b in zip((y, *got), (ref_y, *ref)))
+                    us = kernel_time_us((lambda: fn(**inputs)) if mode == "fwd"
+                                        else (lambda: torch.autograd.backward(fn(**inputs), dy)), leaves)
                 except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result
                     ok, us = False, float("nan")
                     print(f"{name} {mode} {fe} {be} {p} {w}: {type(e).__name__}: {str(e)[:120]}", flush=True)
@@ -215,7 +236,7 @@ def sweep_norm_configs() -> list[dict]:
     finally:
         configure(*defaults[:3], None)
     for name in mods:
-        for mode in ("fwd", "fwd+bwd"):
+        for mode in ("fwd+bwd",):
             best = sorted((r for r in rows if r["norm"] == name and r["mode"] == mode and r["ok"]), key=lambda r: r["us"])[:3]
             print(f"best {name} {mode}: " + "; ".join(f"{b['us']:.1f} us ({b})" for b in best), flush=True)
     return rows
