@@ -110,6 +110,7 @@ def analyse(raw) -> tuple[pd.DataFrame, dict]:
         from kprof.runner import device_info
 
         raw.device = device_info(use_cuda=False) | {"unused_gpu": (raw.device or {}).get("name")}
+        raw.syncs = list(raw.syncs_cpu)  # what would sync on a GPU, like any CPU run
     ops = costmodel.annotate(trace.op_table(events))
     ceil = ceilings.for_device(raw.device)
     # The runner doesn't record whether TF32 was allowed for fp32 matmuls; the roofline assumes

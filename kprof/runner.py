@@ -124,6 +124,7 @@ class RawRun:
     steps_before_timing: int = 0  # untouched steps actually run (>= warmup when auto decided late)
     profiler_warmup_steps: int = PROFILER_WARMUP_STEPS
     warnings: list[str] = field(default_factory=list)
+    syncs_cpu: list[dict] = field(default_factory=list)  # would-be syncs, for a run that used no GPU
 
 
 class _StopScript(BaseException):
@@ -374,6 +375,7 @@ class _Session:
         self.trace_path: str | None = None
         self.detector: SyncDetector | None = None
         self.syncs: list[dict] = []
+        self.syncs_cpu: list[dict] = []
 
         # modules
         self.info: "weakref.WeakKeyDictionary[nn.Module, _ModInfo]" = weakref.WeakKeyDictionary()
@@ -933,10 +935,10 @@ class _Session:
         self.annotating = False
         if self.detector is not None:
             self.detector.uninstall()
-            # Whether the script used the GPU, not whether there is one: a CPU script on a GPU
-            # machine gets the CPU run's would-be syncs.
-            used = self.cuda_run and torch.cuda.is_initialized() and torch.cuda.max_memory_allocated() > 0
-            self.syncs = self.detector.summary(cuda_used=used)
+            # Both sets: whether the script used the GPU (not whether there is one) is decided from
+            # the trace by the analysis; a CPU script on a GPU machine gets the would-be syncs.
+            self.syncs = self.detector.summary(cuda_used=self.cuda_run)
+            self.syncs_cpu = self.detector.summary(cuda_used=False)
             self.detector = None
         if self.prof is None:
             return
@@ -1073,6 +1075,7 @@ class _Session:
             peak_memory_bytes=self.peak,
             trace_path=self.trace_path,
             syncs=self.syncs,
+            syncs_cpu=self.syncs_cpu,
             losses=self._losses(),
             tokens_per_step=self._tokens(),
             module_classes=dict(self.module_classes),
