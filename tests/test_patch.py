@@ -253,6 +253,36 @@ def test_fp32_truth_accepts_a_more_accurate_kernel_the_table_would_reject():
     assert mutual > 10 * TOLERANCE[torch.bfloat16].rtol
 
 
+class _BiasAddReordered(torch.autograd.Function):
+    """x (bf16) + b (fp32), with b's gradient summed in another order than eager's (in 7-row
+    chunks, then the chunk sums), as a kernel's partial-sum reduction does; `scale` != 1 is a bug."""
+
+    @staticmethod
+    def forward(ctx, x, b, scale):
+        ctx.scale = scale
+        return x.float() + b
+
+    @staticmethod
+    def backward(ctx, g):
+        parts = torch.stack([c.sum(0) for c in g.split(7)])
+        return g.to(torch.bfloat16), parts.sum(0) * ctx.scale, None
+
+
+@pytest.mark.parametrize("scale, ok", [(1.0, True), (1.001, False)])
+def test_fp32_truth_floor_admits_a_reordered_fp32_reduction(scale, ok):
+    # The GPT example on the H200 (2026-11-29): LayerNorm's fp32 bias grad (autocast, 4096 rows)
+    # was 2.7e-7 from the truth where eager's was exactly 0, and the floor of one unit roundoff
+    # (6e-8) reverted a correct kernel. The table's rtol is the floor; a 1e-3 bug still fails.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 64, generator=g).bfloat16().requires_grad_()
+    b = nn.Parameter(torch.randn(64, generator=g))
+    v = verify_call(lambda x: x.float() + b, lambda x: _BiasAddReordered.apply(x, b, scale), (x,), {}, [b],
+                    param_names=["bias"])
+    assert v.method == "fp32 truth" and v.ok is ok, v.summary()
+    bias = next(c for c in v.checks if "bias" in c.what)
+    assert bias.baseline == 0.0 and (bias.error > 0 if ok else bias.error > 5e-4)
+
+
 def test_no_fp32_truth_falls_back_to_the_table_and_says_why():
     def half_only(x):
         if x.dtype != torch.bfloat16:
