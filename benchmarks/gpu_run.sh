@@ -64,7 +64,13 @@ if has apply; then
   timeout ${APPLY_TIMEOUT:-240} kprof apply examples/llama_train.py --patch all --out "$OUT/runs" --write "$OUT/runs/keep_patches.py" -- --preset 1b --device cuda 2>&1 | tee "$OUT/apply_llama.log" | tail -60
 fi
 if has step; then
-  timeout ${STEP_TIMEOUT:-300} python3 benchmarks/bench_llama_step.py --csv "$OUT/llama_step.csv" 2>&1 | tee "$OUT/llama_step.log" | tail -20
+  timeout ${STEP_TIMEOUT:-300} python3 benchmarks/bench_llama_step.py --csv "$OUT/llama_step.csv" ${STEP_VARIANTS:+--variants $STEP_VARIANTS} 2>&1 | tee "$OUT/llama_step.log" | tail -20
+fi
+if has compare_llama; then
+  timeout ${COMPARE_TIMEOUT:-300} kprof apply examples/llama_train.py --compare --out "$OUT/runs" -- --preset 1b --device cuda 2>&1 | tee "$OUT/compare_llama.log" | tail -40
+fi
+if has compare_gpt; then
+  timeout ${COMPARE_GPT_TIMEOUT:-200} kprof apply examples/gpt_train.py --compare --out "$OUT/runs" -- --device cuda --dtype bfloat16 ${COMPARE_GPT_ARGS:---batch-size 8 --seq-len 1024} 2>&1 | tee "$OUT/compare_gpt.log" | tail -40
 fi
 # At most 8 files come back: the CSVs as they are, everything else (logs, run dirs without their
 # traces, the calibration cache) in one tarball.

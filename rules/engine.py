@@ -13,6 +13,7 @@ touched by a later one.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
@@ -222,11 +223,26 @@ def probe_input(shape: Sequence[int], device, dtype, *, seed: int = 0) -> torch.
     return (torch.randn(*shape, generator=g) + 0.5).to(device=device, dtype=dtype)
 
 
+@contextlib.contextmanager
+def probe_mode():
+    """No grad and autocast off: a probe checks what a module computes at its parameters' dtype.
+    Patches are installed at the root's first call, inside the script's autocast; there the
+    module's matmuls run in bf16 while the candidate's reference may not, and the probe failed a
+    correct match (GPT example under bf16 autocast, 2026-11-29: attention and Linear -> GELU were
+    left unpatched)."""
+    with contextlib.ExitStack() as st:
+        st.enter_context(torch.no_grad())
+        for dev in ("cuda", "cpu"):
+            if torch.is_autocast_enabled(dev):
+                st.enter_context(torch.autocast(dev, enabled=False))
+        yield
+
+
 def probe_error(fn_a: Callable[[], Any], fn_b: Callable[[], Any]) -> float:
     """Relative-norm error ||a - b|| / ||b|| (fp64) of two zero-argument callables run without
     grad; inf when either raises or they don't return same-shaped tensors."""
     try:
-        with torch.no_grad():
+        with probe_mode():
             a, b = fn_a(), fn_b()
     except Exception:  # a probe that can't even run is a non-match, not an error  # noqa: BLE001
         return float("inf")
@@ -249,7 +265,7 @@ def behaves_like(fn_a: Callable[[], Any], fn_b: Callable[[], Any], dtype: torch.
 
     tol = TOLERANCE.get(dtype, TOLERANCE[torch.float32])
     try:
-        with torch.no_grad():
+        with probe_mode():
             a, b = fn_a(), fn_b()
     except Exception:  # a probe that can't even run is a non-match, not an error  # noqa: BLE001
         return False

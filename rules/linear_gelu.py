@@ -102,7 +102,10 @@ def replace(m: nn.Module, p: dict) -> dict:
     mm, approximate = _no_bias(lin, p["kind"]), p["approximate"]
 
     def linear_forward(x: torch.Tensor) -> torch.Tensor:
-        return fused(mm(x), lin.bias, approximate=approximate)
+        h = mm(x)
+        # Under autocast the matmul runs in bf16/fp16 and nn.Linear would add a bias cast to that
+        # dtype: do the same (an fp32 bias against a bf16 h is a dtype error in the kernel).
+        return fused(h, lin.bias.to(h.dtype), approximate=approximate)
 
     def identity(x: torch.Tensor) -> torch.Tensor:  # GELU already applied by the fused kernel
         return x
