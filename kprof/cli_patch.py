@@ -151,24 +151,27 @@ def render_compare(res, out: Console | None = None) -> None:
     kind = "CPU" if res.cpu else "GPU"
     t = Table(title=f"kprof apply --compare: {Path(res.script).name} on {dev.get('name', '?')} ({kind}), "
                     f"{res.warmup} warm-up + {res.steps} timed steps per variant")
-    for c in ("variant", "ms/step", "p10-p90", "vs eager", "peak memory", "warm-up s", "loss @step", "vs eager loss",
+    for c in ("variant", "ms/step", "p10-p90", "vs eager", "peak memory", "warm-up s", "loss @step", "loss diff",
               "details"):
-        t.add_column(c, justify="left" if c in ("variant", "details") else "right", overflow="fold")
+        # Compact cells, the long text in the notes below: an 80-column terminal (the H200
+        # machine's) otherwise folds every cell into a column of fragments.
+        t.add_column(c, justify="left" if c in ("variant", "details") else "right", overflow="fold",
+                     no_wrap=c == "variant")
     eager = res.row("eager")
     for r in res.variants:
         details = []
         if r.patches:
             ok = sum(p["status"] == "verified" for p in r.patches)
             bad = sum(p["status"] == "reverted" for p in r.patches)
-            details.append(f"{ok}/{len(r.patches)} patches verified" + (f", [red]{bad} reverted[/red]" if bad else ""))
+            details.append(f"{ok}/{len(r.patches)} verified" + (f", [red]{bad} reverted[/red]" if bad else ""))
         elif "kprof" in r.variant and r.status == "ok":
             details.append("[yellow]no patch matched[/yellow]")
         if r.compile:
             gb = r.compile.get("graph_breaks")
             style = "green" if gb == 0 else "yellow"
-            details.append(f"{_f(r.compile.get('graphs'), '{:d}')} graphs, [{style}]{_f(gb, '{:d}')} graph breaks[/{style}]")
+            details.append(f"{_f(r.compile.get('graphs'), '{:d}')} graphs, [{style}]{_f(gb, '{:d}')} breaks[/{style}]")
         if r.status == "failed":
-            details.append(f"[red]failed: {_first_line(r.error)}[/red]")
+            details.append("[red]failed (below)[/red]")
         elif r.status == "skipped":
             details.append(f"[yellow]skipped: {_first_line(r.error, 200)}[/yellow]")
         st = r.step_time_ms or {}
@@ -192,7 +195,7 @@ def render_compare(res, out: Console | None = None) -> None:
     kind_mem = next((r.peak_memory_kind for r in res.variants if r.peak_memory_kind), "")
     out.print(f"ms/step: median of the timed steps (unprofiled); vs eager: eager's median / this one's; warm-up: "
               f"first module call to the first timed step (+ vs eager); peak memory: {kind_mem or '?'}; loss @step: "
-              "the first step run wholly with the variant's code, against eager's loss at that step "
+              "the first step run wholly with the variant's code; loss diff: relative to eager's loss at that step "
               "(the steps before ran the script as written)", style="dim")
     for r in res.variants:
         if r.status == "failed":
