@@ -3,8 +3,10 @@ which imports the diagnosis modules)."""
 
 from __future__ import annotations
 
+import ast
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import pandas as pd
@@ -52,3 +54,15 @@ def n_steps(ops: pd.DataFrame, summary: dict) -> int:
 
 def is_gpu_run(summary: dict) -> bool:
     return (summary.get("device") or {}).get("type") == "cuda"
+
+
+def parse_script(script: str | None) -> tuple[str, ast.Module] | None:
+    """(text, ast) of the user's script, for diagnoses that point at a line of it (nothing is run);
+    None when there is no readable, parseable script."""
+    if not script or not Path(script).is_file():
+        return None
+    try:
+        text = Path(script).read_text()
+        return text, ast.parse(text, filename=script)
+    except (SyntaxError, OSError, UnicodeDecodeError, ValueError):
+        return None

@@ -28,7 +28,7 @@ import math
 import statistics
 from pathlib import Path
 
-from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, step_ms
+from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, parse_script, step_ms
 
 # Flag the pipeline when its wait is at least 5% of the profiled step: a 5% data stall on a
 # 100 ms step (5 ms) already outweighs the H200 Llama-1B run's steady idle (1.9-2.0 ms/step).
@@ -61,13 +61,10 @@ def script_sites(script: str | None) -> dict | None:
     """The DataLoader construction and the copies of its batches in `script`, read with ast:
     {"loader": (file:line, code, {kwarg: source}) or None, "copies": [(file:line, code, non_blocking)]}.
     None when the script can't be read or has no DataLoader call."""
-    if not script or not Path(script).is_file():
+    parsed = parse_script(script)
+    if parsed is None:
         return None
-    try:
-        text = Path(script).read_text()
-        tree = ast.parse(text, filename=script)
-    except (SyntaxError, OSError, UnicodeDecodeError):
-        return None
+    text, tree = parsed
     lines = text.splitlines()
     calls = sorted((c for c in ast.walk(tree) if isinstance(c, ast.Call) and _callee(c) == "DataLoader"),
                    key=lambda c: c.lineno)

@@ -36,12 +36,11 @@ from __future__ import annotations
 import ast
 import math
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, n_steps, step_ms
+from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, n_steps, parse_script, step_ms
 from kprof.rules.diagnoses.manual_attention import _base, _shapes, mm_dims
 
 MIN_ALIGN_BYTES = 16  # tensor-core minimum (8 bf16/fp16 elements), NVIDIA's guide above
@@ -137,12 +136,10 @@ def _peak(summary: dict, tc: str) -> float:
 def literal_line(script: str | None, value: int) -> str:
     """file:line of the first integer literal `value` in the script (ast; nothing is run): where
     a vocab or width is usually set."""
-    if not script or not Path(script).is_file():
+    parsed = parse_script(script)
+    if parsed is None:
         return ""
-    try:
-        tree = ast.parse(Path(script).read_text(), filename=script)
-    except (SyntaxError, OSError, UnicodeDecodeError):
-        return ""
+    tree = parsed[1]
     lines = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Constant) and type(n.value) is int and n.value == value]
     return f"{script}:{min(lines)}" if lines else ""
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, n_steps
+from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, n_steps, parse_script
 
 # Elementwise ops the torch.optim for-loop implementations call per parameter (op names without
 # `aten::` and leading underscores; torch/optim/{adam,adamw,sgd,adagrad,rmsprop}.py).
@@ -118,13 +118,10 @@ def accepts_fused(cls_name: str | None) -> bool:
 
 def construction_line(script: str | None, cls_name: str | None) -> tuple[str, str] | None:
     """(file:line, code) of the first call of `cls_name` in the script (ast; nothing is run)."""
-    if not script or not cls_name or not Path(script).is_file():
+    parsed = parse_script(script) if cls_name else None
+    if parsed is None:
         return None
-    try:
-        text = Path(script).read_text()
-        tree = ast.parse(text, filename=script)
-    except (SyntaxError, OSError, UnicodeDecodeError):
-        return None
+    text, tree = parsed
     calls = [c for c in ast.walk(tree) if isinstance(c, ast.Call)
              and getattr(c.func, "attr", getattr(c.func, "id", None)) == cls_name]
     if not calls:
