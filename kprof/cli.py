@@ -181,6 +181,12 @@ def report_cmd(
 
     r = store.load_run(run, out)
     report.render(r.summary, r.path, console)
+    if (Path(r.path) / "compare.json").is_file():  # one variant of `kprof apply --compare`: show them all
+        from kprof.cli_patch import render_compare
+        from kprof.compare import CompareResult, load_compare
+
+        console.print()
+        render_compare(CompareResult.from_dict(load_compare(r.path)), console)
 
 
 @app.command()

@@ -130,6 +130,16 @@ class CompareResult:
     def row(self, variant: str) -> VariantResult | None:
         return next((v for v in self.variants if v.variant == variant), None)
 
+    @classmethod
+    def from_dict(cls, doc: dict) -> "CompareResult":
+        """The inverse of to_dict (compare.json), for `kprof report` on a variant's run."""
+        from dataclasses import fields
+
+        vnames = {f.name for f in fields(VariantResult)}
+        variants = [VariantResult(**{k: v for k, v in row.items() if k in vnames}) for row in doc.get("variants", [])]
+        cnames = {f.name for f in fields(cls)} - {"variants", "saved"}
+        return cls(variants=variants, **{k: v for k, v in doc.items() if k in cnames})
+
     def to_dict(self) -> dict:
         from kprof.store import jsonable
 

@@ -149,6 +149,16 @@ def test_four_variants_on_a_tiny_script(tmp_path, monkeypatch):
 
     assert _plan_run(str(script), None, root).name == doc["runs"]["eager"]
 
+    # `kprof report` on any variant's run shows the whole comparison again, from compare.json.
+    from kprof import cli
+
+    monkeypatch.setattr(cli, "console", Console(width=250, record=True))
+    res = CliRunner().invoke(cli.app, ["report", str(runs[-1]), "--out", str(root)])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    shown = cli.console.export_text()
+    assert "kprof apply --compare" in shown and doc["verdict"].split(" ")[0] in shown
+    assert all(f"run  {v}" in shown for v in VARIANTS)
+
 
 def test_a_failing_variant_is_reported_and_the_others_still_run(tmp_path):
     """kprof fails under --strict (its patch fails verification), compile fails (a custom op torch.compile
