@@ -227,6 +227,20 @@ def device_info(use_cuda: bool | None = None) -> dict:
     return info
 
 
+def _compiler_tracing() -> bool:
+    """Whether FX or AOTAutograd is tracing (e.g. the backward graph compiled at the first
+    backward): the modules called then are the compiler's GraphModules, not the script's. A hook
+    that took one for a new root wrapped it, and the trace recursed through the wrapper (GPT
+    example, kprof + torch.compile under `--compare`, H200 2026-11-29: Inductor RecursionError)."""
+    try:
+        from torch.fx._symbolic_trace import is_fx_tracing
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        return bool(is_fx_tracing() or get_proxy_mode() is not None)
+    except Exception:  # private API moved: assume not tracing  # noqa: BLE001
+        return False
+
+
 def _torch_flags() -> dict:
     """The process-wide torch settings a training script commonly changes."""
     return {
@@ -590,7 +604,7 @@ class _Session:
         return st
 
     def _pre_hook(self, module: nn.Module, args: tuple) -> None:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or _compiler_tracing():
             return None
         if self.done:
             if module is self.primary_called and threading.get_ident() == self.main_thread:

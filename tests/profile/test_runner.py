@@ -586,3 +586,27 @@ def test_runs_in_one_process_do_not_leak_into_each_other(tmp_path):
         assert r.status in ("completed", "stopped") and r.steps_recorded == 1, r.error  # stopped: all steps recorded
         assert "helper_mod" not in sys.modules  # imported afresh by the next run
     assert (torch.backends.cuda.matmul.allow_tf32, torch.get_default_dtype()) == before
+
+
+def test_modules_called_while_the_compiler_traces_are_never_taken_for_roots(tmp_path):
+    # AOTAutograd traces the backward graph at the first backward and calls its own GraphModules
+    # under a proxy mode; the root hook once took one for a new root, and `kprof apply --compare`
+    # wrapped it (the GPT example, kprof + torch.compile on the H200, 2026-11-29: Inductor
+    # RecursionError; reproduced on the CPU with TRITON_INTERPRET=1). make_fx is the same tracer.
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\n"
+        "from torch.fx.experimental.proxy_tensor import make_fx\n"
+        "m = torch.nn.Linear(4, 1)\n"
+        "traced_only = torch.nn.Linear(4, 4)  # called only under the tracer\n"
+        "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "for _ in range(4):\n"
+        "    make_fx(lambda x: traced_only(x))(torch.randn(2, 4))\n"
+        "    m(torch.randn(3, 4)).sum().backward(); opt.step(); opt.zero_grad()\n"
+    )
+    from kprof.runner import RunConfig, run_script
+
+    roots = []
+    r = run_script(str(script), [], RunConfig(warmup=1, steps=1, trace_dir=str(tmp_path), on_root_module=roots.append))
+    assert r.steps_recorded == 1, r.error
+    assert [type(x).__name__ for x in roots] == ["Linear"] and roots[0].out_features == 1
