@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kprof.errors import KprofError
 from kprof.kernels import registry
-from kprof.kernels._common import assert_close
+from kprof.kernels._common import assert_close, tol
 from kprof.kernels.fused_linear_cross_entropy import (
     LinearCrossEntropyLoss,
     chunk_rows,
@@ -60,17 +60,20 @@ class _RoundTo(torch.autograd.Function):
         return g.to(ctx.dtype).to(g.dtype), None
 
 
-def _reference_at(dtype):
+def _reference_at(dtype, dlogits=None):
     """The reference on upcast inputs, keeping the two roundings that define the op (and HF's
     eager LM head): the logits are produced in the input dtype, and so is their gradient. Without
     them a bf16 logit of 8 is off by up to 2^-8 * 8 = 3% in the softmax against an fp32 reference,
-    which is the op's definition, not a kernel error."""
+    which is the op's definition, not a kernel error. If `dlogits` is a list, the backward appends
+    the reference's d loss / d logits to it as computed, before their rounding to `dtype`."""
 
     def ref(hidden, weight, target, bias=None, **kw):
         kw.pop("chunk_size", None)
         kw.pop("accum_dtype", None)
         v = weight.shape[0]
         logits = _RoundTo.apply(F.linear(hidden, weight, bias), dtype)
+        if dlogits is not None and logits.requires_grad:
+            logits.register_hook(lambda g: dlogits.append(g.detach().clone()))
         from kprof.kernels.cross_entropy import cross_entropy_reference
 
         loss = cross_entropy_reference(logits.reshape(-1, v), target.reshape(-1), **kw)
@@ -89,22 +92,100 @@ def _run(fn, hidden, weight, bias, target, grad_out=None, **kw):
     return loss.detach(), grads
 
 
-def _check(hidden, weight, bias, target, grad_out=None, equal_nan=False, **kw):
+def _ulp(x, dtype):
+    """The spacing of `dtype` values at |x| (elementwise; x in fp64): eps * 2^floor(log2|x|), with
+    bf16 eps = 2^-7 and fp16 eps = 2^-10, and the subnormal spacing below the smallest normal."""
+    fi = torch.finfo(dtype)
+    _, e = torch.frexp(x.abs().clamp(min=fi.tiny))  # |x| = m * 2^e, m in [0.5, 1)
+    return torch.ldexp(torch.full_like(x, fi.eps / 2), e)
+
+
+def _flip_slack(dlogits_r, hidden, weight, dtype):
+    """Per-element slack for the half-precision grads beyond the table: the effect on each grad
+    of every dlogit rounding to the other dtype neighbour than the reference's.
+
+    Why: both the kernel and the reference round d loss / d logits to the input dtype (that is
+    the op, see `_reference_at`), but from fp32 values that differ in their last bits (another
+    softmax summation order; the interpreter also truncates fp32 -> bf16 instead of rounding), so
+    some dlogits land on the other neighbour: 1 ulp apart, 2^-8 = 0.0039 for a bf16 dlogit in
+    [0.5, 1). The grads are sums over those dlogits, and the table's atol + rtol * |ref| is
+    relative to the sum, not to its terms: grad_hidden[n, j] = sum_v dlogits[n, v] * W[v, j]
+    (|W| reaches ~4.7 in `_inputs` at small h) is far smaller than its terms when they cancel.
+    Found by hypothesis (n=14, h=2, v=7, chunk=1, bf16, bias, reduction='sum', seed=8339): the
+    logits matched the reference exactly and the dlogits within 1 ulp, but grad_hidden[2, 0] =
+    -0.922 * 3.09 + 0.609 * 4.69 + ... = -2.85 + 2.85 + ... = 0.326, and the flip of dlogit 0.609
+    moved it by 0.0039 * 4.69 = 0.018, past the table's 1e-2 + 1.6e-2 * 0.326 = 0.015. So each
+    grad may also be off by the propagated flips, one ulp per dlogit (|dlogit| taken from the
+    reference before its rounding, `_ulp`; 0.033 for that element):
+        grad_hidden[n, j] += sum_v ulp(dlogit[n, v]) * |W[v, j]|
+        grad_weight[v, j] += sum_n ulp(dlogit[n, v]) * |hidden[n, j]|
+        grad_bias[v]      += sum_n ulp(dlogit[n, v])
+    That is about 2^-8 of sum |terms|, not of |sum|: still tight enough that a grad 5% off or a
+    chunk left out fails (test_check_catches_wrong_grads). fp32 gets no slack (its dlogits are
+    not rounded)."""
+    v, h = weight.shape
+    u = _ulp(dlogits_r.reshape(-1, v).double(), dtype)  # [N, V]
+    return (
+        (u @ weight.double().abs()).reshape(hidden.shape),
+        u.t() @ hidden.reshape(-1, h).double().abs(),
+        u.sum(0),
+    )
+
+
+def _assert_grad_close(actual, expected, slack, msg):
+    """assert_close with the table for actual's dtype, plus a per-element `slack` (None: none)."""
+    expected = expected.to(actual.dtype)
+    if slack is None:
+        assert_close(actual, expected, msg=msg)
+        return
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, msg
+    t = tol(actual.dtype)
+    a, e = actual.double(), expected.double()
+    diff = (a - e).abs()
+    allowed = t.atol + t.rtol * e.abs() + slack.to(diff.device)
+    bad = ~((diff <= allowed) | (a == e))  # NaN is never close (equal infs are)
+    if bad.any():
+        i = (diff - allowed).nan_to_num(nan=float("inf")).argmax()
+        idx = tuple(x.item() for x in torch.unravel_index(i, a.shape))
+        raise AssertionError(
+            f"{msg}: {int(bad.sum())} of {a.numel()} elements beyond the table + dlogit-flip bound; "
+            f"worst at {idx}: actual {a.flatten()[i].item():.6g}, expected {e.flatten()[i].item():.6g}, "
+            f"|diff| {diff.flatten()[i].item():.3g} > allowed {allowed.flatten()[i].item():.3g} "
+            f"(of which flips {slack.flatten()[i].item():.3g})"
+        )
+
+
+def _reference_run(hidden, weight, bias, target, grad_out=None, **kw):
+    """The reference's loss and grads on upcast inputs, and its dlogits before their rounding."""
     dtype = hidden.dtype
-    loss, grads = _run(linear_cross_entropy, hidden, weight, bias, target, grad_out, **kw)
     r = _ref_dtype(dtype)
+    dlogits = []
     loss_r, grads_r = _run(
-        _reference_at(dtype), hidden.to(r), weight.to(r), None if bias is None else bias.to(r),
+        _reference_at(dtype, dlogits), hidden.to(r), weight.to(r), None if bias is None else bias.to(r),
         target, grad_out, **kw,
     )
+    v = weight.shape[0]
+    dlogits_r = dlogits[0] if dlogits else torch.zeros(*target.shape, v, dtype=r, device=hidden.device)
+    return loss_r, grads_r, dlogits_r
+
+
+def _compare(loss, grads, loss_r, grads_r, dlogits_r, hidden, weight, equal_nan=False):
+    dtype = hidden.dtype
     assert loss.dtype == dtype and loss.shape == loss_r.shape
     if equal_nan:
         torch.testing.assert_close(loss, loss_r.to(dtype), equal_nan=True)
     else:
         assert_close(loss, loss_r.to(dtype), msg="loss")
-    for name, g, gr in zip(("grad_hidden", "grad_weight", "grad_bias"), grads, grads_r):
+    slack = (None,) * 3 if dtype == torch.float32 else _flip_slack(dlogits_r, hidden, weight, dtype)
+    for name, g, gr, s in zip(("grad_hidden", "grad_weight", "grad_bias"), grads, grads_r, slack):
         assert g.dtype == dtype
-        assert_close(g, gr.to(dtype), msg=name)
+        _assert_grad_close(g, gr, s, name)
+
+
+def _check(hidden, weight, bias, target, grad_out=None, equal_nan=False, **kw):
+    loss, grads = _run(linear_cross_entropy, hidden, weight, bias, target, grad_out, **kw)
+    loss_r, grads_r, dlogits_r = _reference_run(hidden, weight, bias, target, grad_out, **kw)
+    _compare(loss, grads, loss_r, grads_r, dlogits_r, hidden, weight, equal_nan)
     return loss, grads
 
 
@@ -293,6 +374,49 @@ def test_reference_is_hf_style():
         linear_cross_entropy_reference(hidden, weight, target, bias),
         F.cross_entropy(F.linear(hidden, weight, bias), target),
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "case",
+    [
+        # hypothesis's falsifying example for the plain table (see `_flip_slack`)
+        dict(shape=(14, 2, 7), seed=8339, chunk_size=1, reduction="sum"),
+        # 'sum': with 'mean' these grads are ~0.05 and the table's atol of 1e-2 alone passes 5%
+        dict(shape=(37, 16, 781), seed=0, chunk_size=16, reduction="sum"),
+    ],
+    ids=["hypothesis-14x2x7", "37x16x781"],
+)
+def test_check_catches_wrong_grads(case, dtype, device):
+    # The dlogit-flip slack in `_check` must not hide real bugs: the kernel's own grads pass, and
+    # each grad 5% off, or missing one chunk's contribution, fails.
+    inputs = _inputs(*case["shape"], dtype, device, bias=True, ignore_every=3, seed=case["seed"])
+    hidden, weight, bias, target = inputs
+    kw = dict(chunk_size=case["chunk_size"], reduction=case["reduction"])
+    loss, grads = _run(linear_cross_entropy, *inputs, **kw)
+    ref = _reference_run(*inputs, **kw)
+    _compare(loss, grads, *ref, hidden, weight)
+
+    # One chunk's share of each grad, from the reference's dlogits rounded as the op rounds them.
+    c0, c1 = kw["chunk_size"], 2 * kw["chunk_size"]  # the second chunk
+    assert (target[c0:c1] != -100).any()
+    d = ref[2].to(dtype).double()[c0:c1]
+    chunk_gw = d.t() @ hidden[c0:c1].double()
+    chunk_gb = d.sum(0)
+    gh, gw, gb = grads
+    gh_dropped = gh.clone()
+    gh_dropped[c0:c1] = 0
+    wrong = {
+        "grad_hidden": [gh * 1.05, gh_dropped],
+        "grad_weight": [gw * 1.05, (gw.double() - chunk_gw).to(dtype)],
+        "grad_bias": [gb * 1.05, (gb.double() - chunk_gb).to(dtype)],
+    }
+    for i, name in enumerate(("grad_hidden", "grad_weight", "grad_bias")):
+        for bad in wrong[name]:
+            bad_grads = list(grads)
+            bad_grads[i] = bad
+            with pytest.raises(AssertionError, match=name):
+                _compare(loss, bad_grads, *ref, hidden, weight)
 
 
 def test_chunk_rows():
