@@ -22,13 +22,13 @@ if has tests; then
   # Correctness in parallel processes (timings are not taken here). -v: each result is logged with
   # its name as it lands, so a run cut by its time limit still says what failed.
   timeout ${TEST_TIMEOUT:-280} python3 -m pytest -v -rfE -n 8 -p no:cacheprovider --junitxml="$OUT/junit.xml" tests 2>&1 | tee "$OUT/pytest.log" | tail -40
-  pkill -f "exec(eval(sys.stdin.readline()))" 2>/dev/null; sleep 1  # xdist (execnet) workers may outlive a timed-out main process; match them only: "pytest" also matched the caller's command line (2026-11-29)
+  pkill -f "sys[.]stdin[.]readline" 2>/dev/null; sleep 1  # xdist (execnet) workers may outlive a timed-out main process; match them only: "pytest" also matched the caller's command line (2026-11-29)
 fi
 if has gputests; then
   # The tests of GPU_TESTS (default: all) marked TEST_MARK (default gpu; TEST_MARK= for all of them).
   MARK=${TEST_MARK-gpu}
   timeout ${TEST_TIMEOUT:-280} python3 -m pytest -v -rfE -n ${TEST_WORKERS:-4} ${MARK:+-m "$MARK"} -p no:cacheprovider --junitxml="$OUT/junit-gpu.xml" ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/pytest-gpu.log" | tail -30
-  pkill -f "exec(eval(sys.stdin.readline()))" 2>/dev/null; sleep 1
+  pkill -f "sys[.]stdin[.]readline" 2>/dev/null; sleep 1
 fi
 if has bench; then
   timeout ${BENCH_TIMEOUT:-540} python3 benchmarks/bench_kernels.py --csv "$OUT/kernels.csv" ${BENCH_ONLY:+--only $BENCH_ONLY} 2>&1 | tee "$OUT/bench.log" | tail -60
