@@ -28,7 +28,7 @@ FIELDS = ["date", "gpu", "torch", "triton", "transformers", "liger", "preset", "
           "step_ms_p10", "step_ms_p90", "speedup_vs_eager", "peak_mem_gib", "tokens_per_s", "first_losses", "note"]
 
 
-def run_variant(variant: str, preset: str, steps: int, warmup: int) -> dict:
+def run_variant(variant: str, preset: str, steps: int, warmup: int, memory_peak: bool = False) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT / "examples"))
@@ -57,15 +57,27 @@ def run_variant(variant: str, preset: str, steps: int, warmup: int) -> dict:
     input_ids = torch.randint(0, model.config.vocab_size, (cfg["batch_size"], cfg["seq_len"]), device=device)
 
     events, losses = [], []
-    for step in range(steps):
-        if step == warmup:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+    mem = None
+
+    def one_step():
         loss = model(input_ids=input_ids, labels=input_ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
+
+    for step in range(steps):
+        if step == warmup:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        if memory_peak and step == max(warmup - 1, 0):
+            # The last warm-up step, steady state, outside the timed steps (recording slows it).
+            sys.path.insert(0, str(ROOT))
+            from benchmarks.memory_peak import record_step
+
+            mem = record_step(one_step)
+        else:
+            one_step()
         e = torch.cuda.Event(enable_timing=True)
         e.record()
         events.append(e)
@@ -77,6 +89,7 @@ def run_variant(variant: str, preset: str, steps: int, warmup: int) -> dict:
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
         "tokens_per_s": cfg["batch_size"] * cfg["seq_len"] / (statistics.median(times) / 1e3),
         "first_losses": [round(float(x), 4) for x in losses[:5]], "note": note,
+        **({"memory_peak": mem} if mem is not None else {}),
     }
 
 
@@ -87,10 +100,14 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--variants", default="eager,kprof,compile,liger,kprof+compile")
     ap.add_argument("--csv", default=str(ROOT / "benchmarks" / "results" / "llama_step.csv"))
+    ap.add_argument("--memory-peak", action="store_true",
+                    help="record one warm-up step's allocations and list what is alive at its peak, by site "
+                         "(benchmarks/memory_peak.py); written beside the CSV")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one variant, print JSON
     args = ap.parse_args(argv)
     if args.one:
-        print("RESULT " + json.dumps(run_variant(args.one, args.preset, args.steps, args.warmup)), flush=True)
+        print("RESULT " + json.dumps(run_variant(args.one, args.preset, args.steps, args.warmup, args.memory_peak)),
+              flush=True)
         return 0
 
     import torch
@@ -121,7 +138,8 @@ def main(argv=None) -> int:
     eager = None
     for v in args.variants.split(","):
         p = subprocess.run([sys.executable, __file__, "--one", v, "--preset", args.preset, "--steps", str(args.steps),
-                            "--warmup", str(args.warmup)], capture_output=True, text=True)
+                            "--warmup", str(args.warmup)] + (["--memory-peak"] if args.memory_peak else []),
+                           capture_output=True, text=True)
         line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
         if p.returncode != 0 or not line:
             err = (p.stderr.strip().splitlines() or ["?"])[-1][:200]
@@ -130,6 +148,14 @@ def main(argv=None) -> int:
             append(rows[-1])
             continue
         r = json.loads(line[-1][len("RESULT "):])
+        mem = r.pop("memory_peak", None)
+        if mem is not None:
+            out = path.with_name(f"memory-peak-{args.preset}-{v.replace('+', '_')}-{meta['date'].replace(':', '')}.json")
+            out.write_text(json.dumps({**meta, "variant": v, **mem}, indent=1))
+            print(f"{v}: {mem['base_bytes'] / 2**30:.2f} GiB before the step, peak +{mem['peak_bytes'] / 2**30:.2f} GiB; "
+                  f"alive at the peak, by site ({out.name}):", flush=True)
+            for site_row in mem["sites"][:12]:
+                print(f"  {site_row['bytes'] / 2**20:9.1f} MiB  {site_row['blocks']:4d} blocks  {site_row['site']}", flush=True)
         if v == "eager":
             eager = r["step_ms_median"]
         if eager:

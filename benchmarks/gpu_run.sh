@@ -64,7 +64,7 @@ if has apply; then
   timeout ${APPLY_TIMEOUT:-240} kprof apply examples/llama_train.py --patch all --out "$OUT/runs" --write "$OUT/runs/keep_patches.py" -- --preset 1b --device cuda 2>&1 | tee "$OUT/apply_llama.log" | tail -60
 fi
 if has step; then
-  timeout ${STEP_TIMEOUT:-300} python3 benchmarks/bench_llama_step.py --csv "$OUT/llama_step.csv" ${STEP_VARIANTS:+--variants $STEP_VARIANTS} 2>&1 | tee "$OUT/llama_step.log" | tail -20
+  timeout ${STEP_TIMEOUT:-300} python3 benchmarks/bench_llama_step.py --csv "$OUT/llama_step.csv" ${STEP_VARIANTS:+--variants $STEP_VARIANTS} ${STEP_ARGS:-} 2>&1 | tee "$OUT/llama_step.log" | tail -20
 fi
 if has compare_llama; then
   timeout ${COMPARE_TIMEOUT:-300} kprof apply examples/llama_train.py --compare --out "$OUT/runs" -- --preset 1b --device cuda 2>&1 | tee "$OUT/compare_llama.log" | tail -40
