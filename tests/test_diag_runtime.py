@@ -11,20 +11,17 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from planted import SCRIPTS
+from planted import planted_line as _line
 
 from kprof import analysis, trace
 from kprof.rules import diagnoses
 from kprof.rules.diagnoses import fp32_matmul, host_sync, input_pipeline, launch_bound, unfused_optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = Path(__file__).resolve().parent / "diagnoses_scripts"
 LLAMA = ROOT / "benchmarks" / "results" / "summary-20261129-190658-llama_train.json"
 
 
-def _line(script: str, tag: str) -> int:
-    """The 1-based line of the planted `# kprof-test: TAG` comment."""
-    lines = (SCRIPTS / script).read_text().splitlines()
-    return next(i for i, t in enumerate(lines, 1) if f"# kprof-test: {tag}" in t)
 
 
 # These two and the three diagnoses before them: "nothing else fires" is checked against these

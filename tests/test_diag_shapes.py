@@ -12,19 +12,16 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from planted import SCRIPTS
+from planted import planted_line as _line
 
 from kprof.rules.diagnoses import diagnose, manual_attention, matmul_shapes
 from kprof.rules.diagnoses.matmul_shapes import odd_dims, padded
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "tests" / "diagnoses_scripts"
 MINE = ("manual_attention", "matmul_shapes")
 
 
-def _line(script: str, tag: str) -> int:
-    """The 1-based line of the planted `# kprof-test: TAG` comment."""
-    lines = (SCRIPTS / script).read_text().splitlines()
-    return next(i for i, t in enumerate(lines, 1) if f"# kprof-test: {tag}" in t)
 
 
 @pytest.fixture(scope="module")

@@ -5,21 +5,17 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pandas as pd
 import pytest
+from planted import SCRIPTS
+from planted import planted_line as _line
 
 from kprof.rules.diagnoses import diagnose, fp32_matmul, host_sync, unfused_optimizer
 from kprof.rules.diagnoses.unfused_optimizer import elements
 
-SCRIPTS = Path(__file__).resolve().parent / "diagnoses_scripts"
 
 
-def _line(script: str, tag: str) -> int:
-    """The 1-based line of the planted `# kprof-test: TAG` comment."""
-    lines = (SCRIPTS / script).read_text().splitlines()
-    return next(i for i, t in enumerate(lines, 1) if f"# kprof-test: {tag}" in t)
 
 
 @pytest.fixture(scope="module")
