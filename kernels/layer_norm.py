@@ -38,7 +38,7 @@ from torch import nn
 from kprof.errors import KprofError
 from kprof.kernels._common import interpreter_enabled, use_triton, via_custom_op, warn_fallback
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
-from kprof.kernels.rms_norm import MAX_FUSED_N, RowConfig, _cast, backward_grid
+from kprof.kernels.rms_norm import MAX_FUSED_N, RowConfig, _cast, backward_grid, dw_acc_f64
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -136,6 +136,7 @@ def _layer_norm_bwd_kernel(
     COMPUTE_DB: tl.constexpr,
     LOOP: tl.constexpr,
     EMULATE_RTNE: tl.constexpr,
+    ACC_F64: tl.constexpr,  # dw/db partials in fp64 (else fp32): kprof.kernels.rms_norm.HALF_DW_ACC_FP64
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -155,8 +156,12 @@ def _layer_norm_bwd_kernel(
         col_mask = cols < n_cols
         if HAS_WEIGHT:
             w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float64)
-        db_acc = tl.zeros([BLOCK_N], dtype=tl.float64)
+        if ACC_F64:
+            dw_acc = tl.zeros([BLOCK_N], dtype=tl.float64)
+            db_acc = tl.zeros([BLOCK_N], dtype=tl.float64)
+        else:
+            dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for row0 in range(row_start, row_end, BLOCK_M):
             rows = row0 + tl.arange(0, BLOCK_M)
             row_mask = rows < row_end
@@ -182,9 +187,9 @@ def _layer_norm_bwd_kernel(
             # (Accumulating dw/db before the reductions, as rms_norm does, made ptxas spill 8 B
             # per thread here at 4096 columns, bf16, sm_90: kept after.)
             if COMPUTE_DW:
-                dw_acc += tl.sum((dy * x_hat).to(tl.float64), axis=0)
+                dw_acc += tl.sum((dy * x_hat).to(dw_acc.dtype), axis=0)
             if COMPUTE_DB:
-                db_acc += tl.sum(dy.to(tl.float64), axis=0)
+                db_acc += tl.sum(dy.to(db_acc.dtype), axis=0)
         if COMPUTE_DW:
             tl.store(DW_PART + pid * n_cols + cols, dw_acc, mask=col_mask)
         if COMPUTE_DB:
@@ -230,8 +235,12 @@ def _layer_norm_bwd_kernel(
             col_mask = cols < n_cols
             if HAS_WEIGHT:
                 w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-            dw_acc = tl.zeros([BLOCK_N], dtype=tl.float64)
-            db_acc = tl.zeros([BLOCK_N], dtype=tl.float64)
+            if ACC_F64:
+                dw_acc = tl.zeros([BLOCK_N], dtype=tl.float64)
+                db_acc = tl.zeros([BLOCK_N], dtype=tl.float64)
+            else:
+                dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+                db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
             for row0 in range(row_start, row_end, BLOCK_M):
                 rows = row0 + tl.arange(0, BLOCK_M)
                 row_mask = rows < row_end
@@ -252,9 +261,9 @@ def _layer_norm_bwd_kernel(
                 dx = (g - c2[:, None] - x_hat * c1[:, None]) * rstd[:, None]
                 tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], _cast(dx, DX.dtype.element_ty, EMULATE_RTNE), mask=mask)
                 if COMPUTE_DW:
-                    dw_acc += tl.sum((dy * x_hat).to(tl.float64), axis=0)
+                    dw_acc += tl.sum((dy * x_hat).to(dw_acc.dtype), axis=0)
                 if COMPUTE_DB:
-                    db_acc += tl.sum(dy.to(tl.float64), axis=0)
+                    db_acc += tl.sum(dy.to(db_acc.dtype), axis=0)
             if COMPUTE_DW:
                 tl.store(DW_PART + pid * n_cols + cols, dw_acc, mask=col_mask)
             if COMPUTE_DB:
@@ -353,7 +362,7 @@ def _launch_bwd(dy, x, weight, mean, rstd, compute_dw, compute_db):
         dy2.stride(0), x2.stride(0), dx2.stride(0),
         n_rows, n_cols, rows_per_program,
         HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, LOOP=cfg.loop,
-        EMULATE_RTNE=interpreter_enabled(),
+        EMULATE_RTNE=interpreter_enabled(), ACC_F64=dw_acc_f64(x.dtype),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
     )
     # Second stage of the dw/db reductions: fixed order over n_programs rows, deterministic.

@@ -158,6 +158,7 @@ def _rms_norm_bwd_kernel(
     HAS_DS: tl.constexpr,  # add the gradient of the residual-sum output (fused add variant)
     LOOP: tl.constexpr,
     EMULATE_RTNE: tl.constexpr,
+    ACC_F64: tl.constexpr,  # dw partials accumulated in fp64 (else fp32; see HALF_DW_ACC_FP64)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -178,7 +179,10 @@ def _rms_norm_bwd_kernel(
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < n_cols
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
-        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float64)
+        if ACC_F64:
+            dw_acc = tl.zeros([BLOCK_N], dtype=tl.float64)
+        else:
+            dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for row0 in range(row_start, row_end, BLOCK_M):
             rows = row0 + tl.arange(0, BLOCK_M)
             row_mask = rows < row_end
@@ -191,7 +195,7 @@ def _rms_norm_bwd_kernel(
             # dw first, so dy is dead before the row reduction: shorter live ranges, 128 -> 115
             # registers per thread at 4096 columns (sm_90, ptxas of Triton 3.9; 128 is the cap
             # at 16 warps). At 16384 columns it still spills ~200 B per thread.
-            dw_acc += tl.sum((dy * x_hat).to(tl.float64), axis=0)  # masked rows/cols load 0, contribute 0
+            dw_acc += tl.sum((dy * x_hat).to(dw_acc.dtype), axis=0)  # masked rows/cols load 0, contribute 0
             g = dy * w[None, :]
             c = tl.sum(g * x_hat, axis=1) / n_cols
             dx = (g - x_hat * c[:, None]) * rstd[:, None]
@@ -223,7 +227,10 @@ def _rms_norm_bwd_kernel(
             cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < n_cols
             w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
-            dw_acc = tl.zeros([BLOCK_N], dtype=tl.float64)
+            if ACC_F64:
+                dw_acc = tl.zeros([BLOCK_N], dtype=tl.float64)
+            else:
+                dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
             for row0 in range(row_start, row_end, BLOCK_M):
                 rows = row0 + tl.arange(0, BLOCK_M)
                 row_mask = rows < row_end
@@ -238,7 +245,7 @@ def _rms_norm_bwd_kernel(
                 if HAS_DS:
                     dx += tl.load(DS + rows64[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
                 tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], _cast(dx, DX.dtype.element_ty, EMULATE_RTNE), mask=mask)
-                dw_acc += tl.sum((dy * x_hat).to(tl.float64), axis=0)
+                dw_acc += tl.sum((dy * x_hat).to(dw_acc.dtype), axis=0)
             tl.store(DW_PART + pid * n_cols + cols, dw_acc, mask=col_mask)
 
 
@@ -263,6 +270,20 @@ MAX_BLOCK_M = 64
 BWD_PROGRAMS_PER_SM = 2
 # The interpreter (CPU CI) has no SMs; 4 programs exercise the cross-program dw reduction.
 INTERPRETER_SM_COUNT = 4
+
+
+# Per-program weight-grad accumulators: fp64 (the default, what the tests and benchmarks of
+# 2026-11-29 ran) or fp32 for half-precision inputs. The cross-program stage is fp64 either way.
+# Why it is a knob: ncu on the H200 (2026-11-29) put the backward at 98 registers a thread and 25%
+# occupancy, 52% of DRAM peak; the fp64 accumulator holds 16 of those registers at 4096 columns.
+# fp32 over one program's rows (~62 at 16384 x 4096) stays ~1e-5 relative, far inside bf16/fp16
+# tolerances; fp32 inputs keep fp64 (their table is 2e-5). Not yet measured: `python -m
+# benchmarks.cases.norms` sweeps it; flip the default only on its figures.
+HALF_DW_ACC_FP64 = True
+
+
+def dw_acc_f64(dtype: torch.dtype) -> bool:
+    return dtype not in (torch.float16, torch.bfloat16) or HALF_DW_ACC_FP64
 
 
 def _num_warps(block_elems: int) -> int:
@@ -409,7 +430,7 @@ def _launch_bwd(dy, x, weight, rstd, ds, offset):
         dy2.stride(0), x2.stride(0), ds2.stride(0), dx2.stride(0),
         n_rows, n_cols, offset, rows_per_program,
         HAS_DS=ds is not None, LOOP=cfg.loop,
-        EMULATE_RTNE=interpreter_enabled(),
+        EMULATE_RTNE=interpreter_enabled(), ACC_F64=dw_acc_f64(x.dtype),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
     )
     # Second stage of the dw reduction: n_programs x N fp64, a fixed order, so deterministic;

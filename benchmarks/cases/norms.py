@@ -194,9 +194,11 @@ def sweep_norm_configs() -> list[dict]:
 
     mods = {"rms_norm": (_rms.rms_norm, _llama_inputs), "layer_norm": (_ln.layer_norm, _ln_inputs)}
     defaults = (_rms.FWD_BLOCK_ELEMS, _rms.BWD_BLOCK_ELEMS, _rms.BWD_PROGRAMS_PER_SM, _rms._num_warps)
+    acc_default = _rms.HALF_DW_ACC_FP64
 
-    def configure(fwd_elems, bwd_elems, per_sm, warps):
+    def configure(fwd_elems, bwd_elems, per_sm, warps, acc64=acc_default):
         _rms.FWD_BLOCK_ELEMS, _rms.BWD_BLOCK_ELEMS, _rms.BWD_PROGRAMS_PER_SM = fwd_elems, bwd_elems, per_sm
+        _rms.HALF_DW_ACC_FP64 = acc64
         _rms._num_warps = (lambda n: warps) if warps else defaults[3]
         _rms.RowConfig.forward.cache_clear()
         _rms.RowConfig.backward.cache_clear()
@@ -208,13 +210,18 @@ def sweep_norm_configs() -> list[dict]:
             x, leaves = inputs["x"], [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
             dy = torch.randn_like(x)
             configure(*defaults[:3], None)
-            ref_y = fn(**inputs)
+            ref_y = fn(**inputs)  # the default config (fp64 partials) is the reference
             ref = torch.autograd.grad(ref_y, leaves, dy)
             ref_y = ref_y.detach()
             # The forward was swept on 2026-11-29 (71-80 us at every setting, the default 71.7): bwd only.
-            grid = [("bwd", defaults[0], e, p, w) for e, p, w in itertools.product((4096, 8192, 16384), (1, 2, 4), (None, 8, 16))]
-            for mode, fe, be, p, w in grid:
-                configure(fe, be, p, w)
+            # ptxas (Triton 3.9, sm_90a) registers per thread of the RMSNorm backward at 4096 columns:
+            # 1 row x 16 warps 81 with fp64 dw partials, 58 with fp32 (two 512-thread programs fit an
+            # SM: 50% occupancy instead of ncu's 25%); 2 rows x 16 warps 115 / 114; 1 row x 8 warps
+            # 118 / 147. LayerNorm's: 103 / 100, 128 / 108, 239 / 194.
+            grid = [("bwd", defaults[0], e, p, w, a)
+                    for e, p, w, a in itertools.product((4096, 8192), (1, 2, 4), (None, 8, 16), (True, False))]
+            for mode, fe, be, p, w, a in grid:
+                configure(fe, be, p, w, a)
                 try:
                     y = fn(**inputs)
                     got = torch.autograd.grad(y, leaves, dy)
@@ -225,12 +232,12 @@ def sweep_norm_configs() -> list[dict]:
                                         else (lambda: torch.autograd.backward(fn(**inputs), dy)), leaves)
                 except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result
                     ok, us = False, float("nan")
-                    print(f"{name} {mode} {fe} {be} {p} {w}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    print(f"{name} {mode} {fe} {be} {p} {w} {a}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                 r = {"norm": name, "mode": mode if mode == "fwd" else "fwd+bwd", "fwd_elems": fe, "bwd_elems": be,
-                     "per_sm": p, "warps": w or "auto", "us": us, "ok": ok}
+                     "per_sm": p, "warps": w or "auto", "dw_acc": "fp64" if a else "fp32", "us": us, "ok": ok}
                 rows.append(r)
-                print(f"{name:10s} {r['mode']:7s} fwd_elems={fe:6d} bwd_elems={be:6d} per_sm={p} warps={str(w or 'auto'):4s} "
-                      f"{us:8.1f} us {'' if ok else 'MISMATCH'}", flush=True)
+                print(f"{name:10s} {r['mode']:7s} bwd_elems={be:6d} per_sm={p} warps={str(w or 'auto'):4s} "
+                      f"dw_acc={r['dw_acc']} {us:8.1f} us {'' if ok else 'MISMATCH'}", flush=True)
             inputs = x = leaves = dy = ref = ref_y = None  # free before the next norm's tensors
             torch.cuda.empty_cache()
     finally:

@@ -369,7 +369,17 @@ def test_kernels_compile_for_sm90():
                 variants.append(("_layer_norm_fwd_kernel", dtype, dict(
                     HAS_WEIGHT=affine, HAS_BIAS=affine, LOOP=f.loop, EMULATE_RTNE=False,
                     BLOCK_M=f.block_m, BLOCK_N=f.block_n), f.num_warps))
-                variants.append(("_layer_norm_bwd_kernel", dtype, dict(
-                    HAS_WEIGHT=affine, COMPUTE_DW=affine, COMPUTE_DB=affine, LOOP=b.loop, EMULATE_RTNE=False,
-                    BLOCK_M=b.block_m, BLOCK_N=b.block_n), b.num_warps))
+                for acc64 in (True, False):  # HALF_DW_ACC_FP64 both ways
+                    variants.append(("_layer_norm_bwd_kernel", dtype, dict(
+                        HAS_WEIGHT=affine, COMPUTE_DW=affine, COMPUTE_DB=affine, LOOP=b.loop, EMULATE_RTNE=False,
+                        ACC_F64=acc64, BLOCK_M=b.block_m, BLOCK_N=b.block_n), b.num_warps))
     aot_compile("kprof.kernels.layer_norm", variants)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(37, 781), (3, 20000)], ids=["fused", "looped"])
+def test_half_inputs_with_fp32_dw_accumulators(shape, dtype, monkeypatch, device):
+    """HALF_DW_ACC_FP64 = False (swept by benchmarks/cases/norms.py): fp32 dw/db partials for
+    half inputs, against the same tolerance table."""
+    monkeypatch.setattr(rms_norm_module, "HALF_DW_ACC_FP64", False)
+    _check(*_inputs(shape, dtype, device, AFFINE[0]))

@@ -500,6 +500,19 @@ def test_kernels_compile_for_sm90():
                 variants.append(("_rms_norm_fwd_kernel", dtype, dict(
                     HAS_RESIDUAL=resid, GEMMA=gemma, LOOP=f.loop, EMULATE_RTNE=False,
                     BLOCK_M=f.block_m, BLOCK_N=f.block_n), f.num_warps))
-                variants.append(("_rms_norm_bwd_kernel", dtype, dict(
-                    HAS_DS=resid, LOOP=b.loop, EMULATE_RTNE=False, BLOCK_M=b.block_m, BLOCK_N=b.block_n), b.num_warps))
+                for acc64 in (True, False):  # HALF_DW_ACC_FP64 both ways
+                    variants.append(("_rms_norm_bwd_kernel", dtype, dict(
+                        HAS_DS=resid, LOOP=b.loop, EMULATE_RTNE=False, ACC_F64=acc64,
+                        BLOCK_M=b.block_m, BLOCK_N=b.block_n), b.num_warps))
     aot_compile("kprof.kernels.rms_norm", variants)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(37, 781), (3, 20000)], ids=["fused", "looped"])
+def test_half_inputs_with_fp32_dw_accumulators(shape, dtype, monkeypatch, device):
+    """The HALF_DW_ACC_FP64 = False setting the norm sweep measures (fp32 per-program dw
+    partials for half inputs): the same tolerance table, both kernel paths."""
+    monkeypatch.setattr(rms_norm_module, "HALF_DW_ACC_FP64", False)
+    assert not rms_norm_module.dw_acc_f64(dtype) and rms_norm_module.dw_acc_f64(torch.float32)
+    x, w = _inputs(shape, dtype, device)
+    _check(x, w)
