@@ -38,7 +38,7 @@ from torch import nn
 from kprof.errors import KprofError
 from kprof.kernels._common import interpreter_enabled, use_triton, via_custom_op, warn_fallback
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
-from kprof.kernels.rms_norm import MAX_FUSED_N, RowConfig, _cast, backward_grid, dw_acc_f64
+from kprof.kernels.rms_norm import MAX_FUSED_N, RowConfig, _acc_zeros, _cast, backward_grid, dw_acc_f64
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -156,12 +156,8 @@ def _layer_norm_bwd_kernel(
         col_mask = cols < n_cols
         if HAS_WEIGHT:
             w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-        if ACC_F64:
-            dw_acc = tl.zeros([BLOCK_N], dtype=tl.float64)
-            db_acc = tl.zeros([BLOCK_N], dtype=tl.float64)
-        else:
-            dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        dw_acc = _acc_zeros(BLOCK_N, ACC_F64)
+        db_acc = _acc_zeros(BLOCK_N, ACC_F64)
         for row0 in range(row_start, row_end, BLOCK_M):
             rows = row0 + tl.arange(0, BLOCK_M)
             row_mask = rows < row_end
@@ -235,12 +231,8 @@ def _layer_norm_bwd_kernel(
             col_mask = cols < n_cols
             if HAS_WEIGHT:
                 w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-            if ACC_F64:
-                dw_acc = tl.zeros([BLOCK_N], dtype=tl.float64)
-                db_acc = tl.zeros([BLOCK_N], dtype=tl.float64)
-            else:
-                dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-                db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            dw_acc = _acc_zeros(BLOCK_N, ACC_F64)
+            db_acc = _acc_zeros(BLOCK_N, ACC_F64)
             for row0 in range(row_start, row_end, BLOCK_M):
                 rows = row0 + tl.arange(0, BLOCK_M)
                 row_mask = rows < row_end

@@ -151,6 +151,16 @@ def _rms_norm_fwd_kernel(
 
 
 @triton.jit
+def _acc_zeros(BLOCK_N: tl.constexpr, ACC_F64: tl.constexpr):
+    """A zero row of weight-grad partials in fp64 or fp32 (HALF_DW_ACC_FP64); shared with layer_norm."""
+    if ACC_F64:
+        z = tl.zeros([BLOCK_N], dtype=tl.float64)
+    else:
+        z = tl.zeros([BLOCK_N], dtype=tl.float32)
+    return z
+
+
+@triton.jit
 def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DS, DX, DW_PART, C,
     stride_dy, stride_x, stride_ds, stride_dx,
@@ -179,10 +189,7 @@ def _rms_norm_bwd_kernel(
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < n_cols
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
-        if ACC_F64:
-            dw_acc = tl.zeros([BLOCK_N], dtype=tl.float64)
-        else:
-            dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        dw_acc = _acc_zeros(BLOCK_N, ACC_F64)
         for row0 in range(row_start, row_end, BLOCK_M):
             rows = row0 + tl.arange(0, BLOCK_M)
             row_mask = rows < row_end
@@ -227,10 +234,7 @@ def _rms_norm_bwd_kernel(
             cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < n_cols
             w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
-            if ACC_F64:
-                dw_acc = tl.zeros([BLOCK_N], dtype=tl.float64)
-            else:
-                dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            dw_acc = _acc_zeros(BLOCK_N, ACC_F64)
             for row0 in range(row_start, row_end, BLOCK_M):
                 rows = row0 + tl.arange(0, BLOCK_M)
                 row_mask = rows < row_end
