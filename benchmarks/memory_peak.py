@@ -46,7 +46,9 @@ def site(frames: list[dict], skip: tuple[str, ...] = _SKIP) -> str:
     """file:line (function) of the innermost frame outside torch: where user or kprof code asked."""
     for f in frames or []:
         name = str(f.get("filename", ""))
-        if not any(s in name for s in skip):
+        # C++ frames (filename "??", e.g. torch::unwind::unwind()) never name the site: the first
+        # H200 recording (2026-11-29) with the default stacks="all" put every block there.
+        if name.endswith(".py") and not any(s in name for s in skip):
             return f"{name}:{f.get('line')} ({f.get('name')})"
     return "<torch internal>"
 
@@ -70,7 +72,7 @@ def record_step(step: Callable[[], None], max_entries: int = 500_000) -> dict:
 
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
-    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=max_entries)
     try:
         step()
         torch.cuda.synchronize()

@@ -333,9 +333,16 @@ def _glu_fwd(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
     return y
 
 
-def _glu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]:
-    dg = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    du = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+def _glu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int,
+             in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_gate, d_up), new contiguous tensors; with in_place (callers check `_can_write_grads_into`)
+    written over gate and up themselves: each program reads its tile of gate and up before it
+    writes the same tile of the grads, so the overwrite is safe element by element."""
+    if in_place:
+        dg, du = gate, up
+    else:
+        dg = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        du = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     numel = dg.numel()
     if numel == 0:
         return dg, du
@@ -480,6 +487,56 @@ for _op, _fake in (
     _op.register_fake(_fake)
 
 
+# In-place backward (`grad_in_place=True`): d_gate and d_up written over the saved gate and up.
+# Why: on the 1B Llama step (H200, 2026-11-29, benchmarks/memory_peak.py) kprof's peak came in
+# the last MLP's backward, where the new d_gate and d_up (2 x 128 MiB at 8192 tokens x 8192)
+# were alive next to every layer's saved activations: 5.44 GiB above the parameters against
+# Liger's 5.31 (Liger's SwiGLU backward writes its grads over its inputs, as this does).
+# Only the gated-MLP patch asks for it: there gate and up are temporaries of its own forward.
+# The saved tensors' version counters are bumped, so a second backward through the same graph
+# (retain_graph=True) fails with PyTorch's "modified by an inplace operation" error instead of
+# reading grads as activations.
+
+
+def _can_write_grads_into(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Both contiguous and not overlapping each other (the packed layout's halves, a view of one
+    buffer, never qualify: they are not contiguous)."""
+    if not (gate.is_contiguous() and up.is_contiguous()) or gate.numel() == 0:
+        return False
+    if gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr():
+        return True
+    a, b = gate.data_ptr(), up.data_ptr()
+    return abs(a - b) >= gate.numel() * gate.element_size()
+
+
+@torch.library.custom_op("kprof::swiglu_bwd_inplace", mutates_args=("gate", "up"))
+def _swiglu_bwd_inplace_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
+    _glu_bwd(dy, gate, up, ACT_SILU, in_place=True)
+
+
+@torch.library.custom_op("kprof::geglu_bwd_inplace", mutates_args=("gate", "up"))
+def _geglu_bwd_inplace_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, approximate: str) -> None:
+    _glu_bwd(dy, gate, up, _approx_act(approximate), in_place=True)
+
+
+def _pair_backward(ctx, dy: torch.Tensor, act: int, out_of_place_op, in_place_op, *extra):
+    """The pair Functions' backward: in place when the forward asked for it and it is safe
+    (eager, or recorded by a profiler through the mutating op; never while compiling, where the
+    out-of-place op keeps the graph functional)."""
+    gate, up = ctx.saved_tensors
+    if ctx.grad_in_place and not torch.compiler.is_compiling() and _can_write_grads_into(gate, up):
+        if via_custom_op():
+            in_place_op(dy, gate, up, *extra)
+        else:
+            _glu_bwd(dy, gate, up, act, in_place=True)
+        torch.autograd.graph.increment_version(gate)
+        torch.autograd.graph.increment_version(up)
+        return gate.detach(), up.detach()
+    if via_custom_op():
+        return out_of_place_op(dy, gate, up, *extra)
+    return _glu_bwd(dy, gate, up, act)
+
+
 # --------------------------------------------------------------------------------------------
 # 4. autograd.Functions
 # --------------------------------------------------------------------------------------------
@@ -493,37 +550,32 @@ for _op, _fake in (
 
 class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up):
+    def forward(ctx, gate, up, grad_in_place):
         ctx.save_for_backward(gate, up)
+        ctx.grad_in_place = grad_in_place
         if via_custom_op():
             return _swiglu_fwd_op(gate, up)
         return _glu_fwd(gate, up, ACT_SILU)
 
     @staticmethod
     def backward(ctx, dy):
-        gate, up = ctx.saved_tensors
-        if via_custom_op():
-            return _swiglu_bwd_op(dy, gate, up)
-        return _glu_bwd(dy, gate, up, ACT_SILU)
+        return (*_pair_backward(ctx, dy, ACT_SILU, _swiglu_bwd_op, _swiglu_bwd_inplace_op), None)
 
 
 class _GeGLUFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up, approximate):
+    def forward(ctx, gate, up, approximate, grad_in_place):
         ctx.save_for_backward(gate, up)
-        ctx.approximate = approximate
+        ctx.approximate, ctx.grad_in_place = approximate, grad_in_place
         if via_custom_op():
             return _geglu_fwd_op(gate, up, approximate)
         return _glu_fwd(gate, up, _GELU_ACT[approximate])
 
     @staticmethod
     def backward(ctx, dy):
-        gate, up = ctx.saved_tensors
-        if via_custom_op():
-            dg, du = _geglu_bwd_op(dy, gate, up, ctx.approximate)
-        else:
-            dg, du = _glu_bwd(dy, gate, up, _GELU_ACT[ctx.approximate])
-        return dg, du, None
+        act = _GELU_ACT[ctx.approximate]
+        dg, du = _pair_backward(ctx, dy, act, _geglu_bwd_op, _geglu_bwd_inplace_op, ctx.approximate)
+        return dg, du, None, None
 
 
 class _SwiGLUPackedFunction(torch.autograd.Function):
@@ -564,7 +616,7 @@ class _GeGLUPackedFunction(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, grad_in_place: bool = False) -> torch.Tensor:
     """`F.silu(gate) * up`, fused; differentiable in gate and up.
 
     gate, up: same shape [..., I], same dtype (float32, float16, bfloat16), same device; any
@@ -572,24 +624,31 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     `act_fn(gate_proj(x)) * up_proj(x)` with act_fn = SiLU: computed in fp32 and rounded once
     (eager bf16 rounds twice, so results differ from eager by at most about one bf16 ulp).
     Backward recomputes silu(gate) and returns (d_gate, d_up).
+
+    grad_in_place: the backward writes d_gate and d_up over gate and up (when both are
+    contiguous and apart; not under torch.compile), saving two gate-sized buffers at the
+    backward's memory peak. Only for gate and up that nothing else reads after this call (as in
+    `down(swiglu(gate_proj(x), up_proj(x)))`): their contents become the grads. A second backward
+    through the same graph raises PyTorch's in-place modification error.
     """
     _check_pair(gate, up)
     if use_triton(gate):
-        return _SwiGLUFunction.apply(gate, up)
+        return _SwiGLUFunction.apply(gate, up, grad_in_place)
     warn_fallback("glu", f"no Triton backend for {gate.device.type} tensors")
     return swiglu_reference(gate, up)
 
 
-def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh", *,
+          grad_in_place: bool = False) -> torch.Tensor:
     """`F.gelu(gate, approximate=approximate) * up`, fused; differentiable in gate and up.
 
     approximate: "tanh" (default: Gemma's gelu_pytorch_tanh, GPT-2's gelu_new) or "none" (erf).
-    Shapes, dtypes and numerics as `swiglu`.
+    Shapes, dtypes, numerics and `grad_in_place` as `swiglu`.
     """
     _check_pair(gate, up)
     _approx_act(approximate)
     if use_triton(gate):
-        return _GeGLUFunction.apply(gate, up, approximate)
+        return _GeGLUFunction.apply(gate, up, approximate, grad_in_place)
     warn_fallback("glu", f"no Triton backend for {gate.device.type} tensors")
     return geglu_reference(gate, up, approximate)
 
@@ -697,6 +756,8 @@ def _make_spec(name: str, act: int, packed: bool) -> KernelSpec:
         # bwd inputs: (dy, gate, up) or (dy, gu); dy is gate-sized in both layouts
         bwd_op: lambda metas: _glu_cost(_numel(metas[0].shape), metas[0].dtype, op_act)["bwd"],
     }
+    if not packed:  # the in-place backward moves the same bytes (writes over its inputs)
+        op_costs[bwd_op + "_inplace"] = op_costs[bwd_op]
     fns = {
         "swiglu": (swiglu, swiglu_reference, "F.silu(gate) * up (HF LlamaMLP act_fn(gate_proj(x)) * up_proj(x))"),
         "geglu": (geglu, geglu_reference, "F.gelu(gate, approximate) * up (HF GemmaMLP)"),

@@ -11,8 +11,9 @@ Napkin math, H200 (4.27 TB/s measured copy bandwidth), bf16, x of 16384 x 4096 (
   targets 70 / 200 us fwd / fwd+bwd. As in rms_norm, the backward is one pass: each program
   of a persistent grid walks a contiguous chunk of rows, keeps its dweight and dbias partial
   sums in registers and writes them once; a small torch reduction sums the partials. No
-  atomics: bitwise deterministic on a given device. The partial sums are fp64 (see rms_norm:
-  fp32 ones failed fp32 dweight against the fp64 reference at 16384x4096 on the H200), so
+  atomics: bitwise deterministic on a given device. For fp32 inputs the partial sums are fp64
+  (see rms_norm: fp32 ones failed fp32 dweight against the fp64 reference at 16384x4096 on the
+  H200; half inputs take fp32 per-program partials, rms_norm.HALF_DW_ACC_FP64), so
   dweight and dbias are the exact sums of the kernel's fp32 terms, rounded once. Register cost
   (sm_90 ptxas, Triton 3.9, bf16, weight and bias): spill 40 -> 0 B per thread at 781 columns,
   none at 4096, 0 -> 112 B at 8192, 888 -> 1796 B at 16384, 0 -> 8 B on the looped path; the
@@ -127,6 +128,11 @@ def _layer_norm_fwd_kernel(
 
 
 @triton.jit
+def _add3(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, a1 + b1, a2 + b2
+
+
+@triton.jit
 def _layer_norm_bwd_kernel(
     DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, C,
     stride_dy, stride_x, stride_dx,
@@ -168,16 +174,21 @@ def _layer_norm_bwd_kernel(
             mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
             rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
             # The saved fp32 mean is rounded (ulp(|mean|) / 2 off: 3e-5 at 1000); re-center on
-            # the residuals' mean as the forward did, or x_hat is off by that much / std.
+            # the residuals' mean corr = mean(x - mean) as the forward did, or x_hat is off by that
+            # much / std. With xc = x - mean, x_hat = (xc - corr) * rstd and
+            # c1 = mean(g * x_hat) = rstd * (mean(g * xc) - corr * c2): the three row sums are
+            # independent, so they go through one multi-operand reduction (one shared-memory
+            # round trip and barrier per row block instead of three, two of them in sequence).
             xc = tl.where(mask, x - mean[:, None], 0.0)
-            xc = tl.where(mask, xc - (tl.sum(xc, axis=1) / n_cols)[:, None], 0.0)
-            x_hat = xc * rstd[:, None]
             if HAS_WEIGHT:
                 g = dy * w[None, :]
             else:
                 g = dy
-            c1 = tl.sum(g * x_hat, axis=1) / n_cols
-            c2 = tl.sum(g, axis=1) / n_cols
+            s_xc, s_gxc, s_g = tl.reduce((xc, g * xc, g), 1, _add3)
+            corr = s_xc / n_cols
+            c2 = s_g / n_cols
+            c1 = (s_gxc / n_cols - corr * c2) * rstd
+            x_hat = (xc - corr[:, None]) * rstd[:, None]  # masked columns: dy = 0 there, no dw/db
             dx = (g - c2[:, None] - x_hat * c1[:, None]) * rstd[:, None]
             tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], _cast(dx, DX.dtype.element_ty, EMULATE_RTNE), mask=mask)
             # (Accumulating dw/db before the reductions, as rms_norm does, made ptxas spill 8 B
@@ -267,6 +278,15 @@ def _layer_norm_bwd_kernel(
 # --------------------------------------------------------------------------------------------
 
 
+# The backward's launch: 8192 elements per block (2 rows of 4096) over at most 4 warps, where
+# RMSNorm's backward takes 8. LayerNorm's backward, after its three row sums became one
+# multi-operand reduction, swept on the H200 (2026-11-29 21:55 UTC, fwd+bwd GPU time at 16384 x
+# 4096 bf16, fp32 partials, 2 programs/SM): 8192 x 4 warps 218.5 us, 4096 x 4 225.4, 4096 x 8
+# 227.1, 8192 x 8 246.7; 3 or 4 programs/SM 246-294. (Three separate reductions: 250.9 at best.)
+BWD_BLOCK_ELEMS = 8192
+BWD_MAX_WARPS = 4
+
+
 def _check(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> None:
     if not isinstance(x, torch.Tensor):
         raise KprofError(f"layer_norm: x must be a tensor, got {type(x).__name__}")
@@ -342,7 +362,7 @@ def _launch_bwd(dy, x, weight, mean, rstd, compute_dw, compute_db):
     dy2, x2 = _rows(dy), _rows(x)
     dx2 = dx.view(-1, n_cols)
     n_rows = x2.shape[0]
-    cfg = RowConfig.backward(n_cols)
+    cfg = RowConfig.backward(n_cols, BWD_BLOCK_ELEMS, BWD_MAX_WARPS)
     n_programs, rows_per_program = backward_grid(n_rows, cfg, x.device)
     dw_part = torch.empty((n_programs, n_cols) if compute_dw else (1,), dtype=torch.float64, device=x.device)
     db_part = torch.empty((n_programs, n_cols) if compute_db else (1,), dtype=torch.float64, device=x.device)

@@ -19,8 +19,9 @@ Napkin math, H200 (4.27 TB/s measured copy bandwidth), bf16, x of 16384 x 4096 (
   ~2 programs per SM) and the [n_programs, N] partials are summed by one small torch
   reduction afterwards: no atomics, so it is bitwise deterministic on a given device.
 
-dweight precision: the fp32 terms dy * x_hat are accumulated in fp64 (per program, and across
-programs), then rounded once. With fp32 partials, fp32 dweight failed the fp64 reference on the
+dweight precision: for fp32 inputs the fp32 terms dy * x_hat are accumulated in fp64 (per
+program, and across programs), then rounded once; half-precision inputs accumulate each
+program's rows in fp32 and the programs' partials in fp64 (HALF_DW_ACC_FP64, measured faster). With fp32 partials, fp32 dweight failed the fp64 reference on the
 H200 (2026-11-29) at 1823x781 and 16384x4096: the rounding of a running fp32 sum over the
 rows grows with the row count, not with |dweight|, and near-zero columns have only the fp32
 atol. Now dweight is the exact sum of the kernel's own fp32 terms (tests check this). Cost,
@@ -264,10 +265,14 @@ def _rms_norm_bwd_kernel(
 MAX_FUSED_N = 16384
 LOOP_BLOCK_N = 4096
 # Elements per block: forward ~4096 (one 4096-wide row, 16 elements = two 16-byte bf16
-# vectors per thread at 8 warps); the backward takes ~8192 per iteration (2 rows of 4096) to
-# keep more bytes in flight per program. Untuned starting points: sweep on the H200.
+# vectors per thread at 8 warps); the backward 8192 (2 rows of 4096) at no more than 8 warps.
+# Swept on the H200 at 16384 x 4096 bf16 (benchmarks/cases/norms.py, GPU kernel time of fwd+bwd,
+# 2026-11-29 21:37 UTC, fp32 dw partials): 8192 elements x 8 warps x 2 programs/SM 181.5 us;
+# 16 warps (the old auto pick) 212.3; 4096 x 8 warps 197.9; 4 programs/SM 192.9. The forward
+# was flat (71-80 us at every setting). LayerNorm picks its own backward block (layer_norm.py).
 FWD_BLOCK_ELEMS = 4096
 BWD_BLOCK_ELEMS = 8192
+BWD_MAX_WARPS = 8
 MAX_BLOCK_M = 64
 # Persistent backward grid: programs per SM. The fp64 dw partial buffer is
 # n_programs x N x 8 bytes (264 x 4096 x 8 = 8.7 MB on an H200), written and read once.
@@ -276,14 +281,14 @@ BWD_PROGRAMS_PER_SM = 2
 INTERPRETER_SM_COUNT = 4
 
 
-# Per-program weight-grad accumulators: fp64 (the default, what the tests and benchmarks of
-# 2026-11-29 ran) or fp32 for half-precision inputs. The cross-program stage is fp64 either way.
-# Why it is a knob: ncu on the H200 (2026-11-29) put the backward at 98 registers a thread and 25%
-# occupancy, 52% of DRAM peak; the fp64 accumulator holds 16 of those registers at 4096 columns.
-# fp32 over one program's rows (~62 at 16384 x 4096) stays ~1e-5 relative, far inside bf16/fp16
-# tolerances; fp32 inputs keep fp64 (their table is 2e-5). Not yet measured: `python -m
-# benchmarks.cases.norms` sweeps it; flip the default only on its figures.
-HALF_DW_ACC_FP64 = True
+# Per-program weight-grad accumulators for half-precision inputs: fp32 (default) or fp64. The
+# cross-program stage is fp64 either way, and fp32 inputs always take fp64 (their table is 2e-5).
+# fp32 over one program's rows (~62 at 16384 x 4096) stays ~1e-5 relative, far inside the bf16/
+# fp16 tolerances (tested both ways). Why fp32: ncu on the H200 put the fp64 backward at 98
+# registers a thread and 25% occupancy (52% of DRAM peak); ptxas (sm_90a) drops RMSNorm's from 81
+# to 58 at 1 row x 16 warps. Measured by the norm sweep (H200, 2026-11-29, fwd+bwd GPU time at
+# 16384 x 4096 bf16, same launch config): RMSNorm 219.1 -> 181.5 us, LayerNorm 371.9 -> 250.9 us.
+HALF_DW_ACC_FP64 = False
 
 
 def dw_acc_f64(dtype: torch.dtype) -> bool:
@@ -305,12 +310,12 @@ class RowConfig:
     loop: bool  # row wider than MAX_FUSED_N: loop over column tiles
 
     @staticmethod
-    def _for(n_cols: int, block_elems: int) -> "RowConfig":
+    def _for(n_cols: int, block_elems: int, max_warps: int = 16) -> "RowConfig":
         if n_cols > MAX_FUSED_N:
-            return RowConfig(1, LOOP_BLOCK_N, _num_warps(LOOP_BLOCK_N), True)
+            return RowConfig(1, LOOP_BLOCK_N, min(max_warps, _num_warps(LOOP_BLOCK_N)), True)
         block_n = triton.next_power_of_2(max(n_cols, 1))
         block_m = max(1, min(MAX_BLOCK_M, block_elems // block_n))
-        return RowConfig(block_m, block_n, _num_warps(block_m * block_n), False)
+        return RowConfig(block_m, block_n, min(max_warps, _num_warps(block_m * block_n)), False)
 
     @staticmethod
     @lru_cache(maxsize=256)
@@ -319,8 +324,11 @@ class RowConfig:
 
     @staticmethod
     @lru_cache(maxsize=256)
-    def backward(n_cols: int) -> "RowConfig":
-        return RowConfig._for(n_cols, BWD_BLOCK_ELEMS)
+    def backward(n_cols: int, block_elems: int | None = None, max_warps: int | None = None) -> "RowConfig":
+        """The persistent backward's blocks: `block_elems` elements (default BWD_BLOCK_ELEMS,
+        RMSNorm's), at most `max_warps` warps (default BWD_MAX_WARPS; more registers per thread
+        than the forward)."""
+        return RowConfig._for(n_cols, block_elems or BWD_BLOCK_ELEMS, max_warps or BWD_MAX_WARPS)
 
 
 @lru_cache(maxsize=None)

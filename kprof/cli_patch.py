@@ -51,6 +51,10 @@ def render_plan(plan: pd.DataFrame, run_name: str, plan_path: Path, out: Console
         t.add_row(r["id"], where, r["evidence"], r["change"], f"{saving}\n{r['saving note']}", r["confidence"], r["how"])
     if not len(plan):
         t.title = f"diagnoses for {run_name} (no kernel pattern found; saved to {plan_path})"
+    # A host-bound run's caveat is the same on every kernel row (kprof.suggest.host_bound): once.
+    caveats = dict.fromkeys(c for c in (plan["caveat"] if "caveat" in plan else []) if c)
+    for c in caveats:
+        out.print(f"caveat: {c}", style="yellow", markup=False)
     out.print(t)
     if len(plan):
         out.print("estimated saving = measured time of the matched ops - the replacement's roofline time at "
@@ -68,15 +72,15 @@ def suggest_cmd(
     then the diagnoses no kernel fixes (host syncs, fp32 matmuls, unfused optimizer)."""
     from kprof.rules import all_rules
     from kprof.rules.diagnoses import diagnose
-    from kprof.suggest import PLAN, plan_records, save_plan, suggest
+    from kprof.suggest import PLAN, _clean, plan_records, save_plan, suggest
 
     r = store.load_run(run, out)
     plan = suggest(r, all_rules(str(rules) if rules else None))
     diag = diagnose(r)
     path = save_plan(r, plan, diag)
     if json_out:
-        print(json.dumps({"run": r.name, "plan": str(path), "suggestions": plan_records(plan),
-                          "diagnoses": plan_records(diag)}, indent=1))
+        print(json.dumps({"run": r.name, "plan": str(path), "host_bound": _clean(plan.attrs.get("host_bound")),
+                          "suggestions": plan_records(plan), "diagnoses": plan_records(diag)}, indent=1))
     else:
         render_plan(plan, r.name, Path(r.path) / PLAN, diagnoses=diag)
 

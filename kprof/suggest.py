@@ -14,6 +14,10 @@ replacement's roofline time at the same shapes gives the prediction:
 patches anything, so a profile-side false positive costs a line in the report, never a wrong
 result.
 
+A host-bound step (the GPU busy less than HOST_BOUND_BUSY_PCT of it) keeps the GPU-time savings
+but marks every row "low" with a caveat, and the plan carries `plan.attrs["host_bound"]`: there,
+GPU time saved does not shorten the step, and each patched module adds host time.
+
 The plan is saved as `plan.json` in the run directory.
 """
 
@@ -33,6 +37,15 @@ from kprof.errors import KprofError
 PLAN = "plan.json"
 _MATMUL = ("mm", "addmm", "bmm", "matmul", "linear", "baddbmm")
 _SKIP_MODULES = ("<unattributed>", "<optimizer>")
+# A GPU step whose kernels fill less than half of it is host-bound: the host's launches, not the
+# GPU's work, set its time. Measured on the H200 (2026-11-29), a tiny GPT (2 layers, hidden 128,
+# batch 8x512, bf16): GPU busy 1.22 ms of a 5.27 ms eager step (23%; 9% of the profiled window).
+# All its suggestions applied cut GPU busy to 0.82 ms/step, yet the step went to 11.8 ms: a
+# Triton kernel called through an autograd.Function costs the host 163 us per forward+backward
+# against 12 us for an aten op (benchmarks/results/host-overhead-h200-20261129.txt). The Llama-1B
+# run on the same GPU, where the patches are worth applying, is 99% busy (98.5 ms of 99.4 ms,
+# summary-20261129-190658-llama_train.json).
+HOST_BOUND_BUSY_PCT = 50.0
 
 
 def op_base(op: pd.Series) -> pd.Series:
@@ -235,8 +248,52 @@ def _source(summary: dict, paths: Sequence[str], classes: Sequence[str], hint: s
     return ""
 
 
+def gpu_busy(summary: dict) -> dict | None:
+    """The GPU's busy share of the step on a GPU run: median busy time over the recorded steps
+    against the unprofiled step time (or the profiled window, if shorter); summary["busy_pct"]
+    when the runner timed no unprofiled steps. None on CPU runs and without the evidence."""
+    from kprof.rules.diagnoses.base import is_gpu_run
+    from kprof.rules.diagnoses.launch_bound import _median
+
+    if not is_gpu_run(summary):
+        return None  # a CPU's "busy" is op time on the host: nothing idles while the host launches
+    rows = summary.get("idle_by_step") or []
+    busy_us, window_us = _median(rows, "busy (us)"), _median(rows, "window (us)")
+    plain_ms = float((summary.get("step_time_ms") or {}).get("median") or math.nan)
+    # The profiler adds host time to every op, so the profiled window understates the busy share
+    # (9% against 23% unprofiled on the tiny GPT above); the kernels take the same time either way.
+    if math.isfinite(busy_us) and math.isfinite(plain_ms) and plain_ms > 0:
+        step_us = min(window_us, plain_ms * 1e3) if math.isfinite(window_us) and window_us > 0 else plain_ms * 1e3
+        return {"busy %": min(busy_us / step_us * 100, 100.0), "busy ms/step": busy_us / 1e3,
+                "step ms": step_us / 1e3, "basis": "unprofiled step time"}
+    if not (math.isfinite(window_us) and window_us > 0):
+        window_us = float((summary.get("profiled_step_time_ms") or {}).get("median") or math.nan) * 1e3
+    pct = (float(summary["busy_pct"]) if summary.get("busy_pct") is not None
+           else busy_us / window_us * 100 if window_us > 0 else math.nan)
+    if not math.isfinite(pct):
+        return None
+    if not math.isfinite(busy_us):
+        busy_us = pct / 100 * window_us
+    return {"busy %": pct, "busy ms/step": busy_us / 1e3, "step ms": window_us / 1e3, "basis": "profiled steps"}
+
+
+def host_bound(summary: dict) -> dict | None:
+    """gpu_busy(summary) with the caveat for kernel rows when the GPU is busy less than
+    HOST_BOUND_BUSY_PCT of the step; None when it isn't host-bound (or can't be told)."""
+    busy = gpu_busy(summary)
+    if busy is None or busy["busy %"] >= HOST_BOUND_BUSY_PCT:
+        return None
+    ms = (f"{busy['busy ms/step']:.2f} of {busy['step ms']:.2f} ms, " if math.isfinite(busy["step ms"]) else "")
+    caveat = (f"GPU busy only {busy['busy %']:.0f}% of the step ({ms}{busy['basis']}): the step is host-bound. "
+              "GPU time saved will not shorten it, and each patched module adds host launch time. Fix the "
+              'host side first (CUDA graphs, torch.compile(mode="reduce-overhead"), a larger batch): see the '
+              "diagnoses.")
+    return busy | {"threshold %": HOST_BOUND_BUSY_PCT, "caveat": caveat}
+
+
 def suggest(run, rules: Sequence[Any] | None = None) -> pd.DataFrame:
-    """Ranked suggestions for a saved run (kprof.store.Run). One row per rule that matched."""
+    """Ranked suggestions for a saved run (kprof.store.Run). One row per rule that matched.
+    plan.attrs["host_bound"]: host_bound(run.summary) (None when the step isn't host-bound)."""
     from kprof.rules import RULES
 
     rules = list(RULES if rules is None else rules)
@@ -247,6 +304,7 @@ def suggest(run, rules: Sequence[Any] | None = None) -> pd.DataFrame:
     step_ms = ((summary.get("profiled_step_time_ms") or {}).get("median")
                or (summary.get("step_time_ms") or {}).get("median") or math.nan)
     table = module_table(ops, summary.get("module_classes"))
+    hb = host_bound(summary)
     rows = []
     # Patterns are exclusive by construction (an RMSNorm has no layer_norm op, a gated MLP has the
     # multiply a Linear -> GELU lacks) and evidence selectors don't overlap (attention's matmuls
@@ -290,20 +348,24 @@ def suggest(run, rules: Sequence[Any] | None = None) -> pd.DataFrame:
             "predicted ms/step": predicted / 1e3 if known else math.nan,
             "saving ms/step": saving / 1e3 if known else math.nan,
             "saving %": saving / 1e3 / step_ms * 100 if known and step_ms == step_ms and step_ms else math.nan,
-            "confidence": rule.confidence if known else "low",
+            # Host-bound: the GPU-time saving stands, but the step won't get shorter by it.
+            "confidence": rule.confidence if known and hb is None else "low",
+            "caveat": hb["caveat"] if hb else "",
             "applyable": rule.applyable,
             "how": "kprof apply --patch " + rule.id if rule.applyable else (
                 rule.code_change or f"needs kernel(s) {', '.join(rule.missing_kernels())}"),
         })
     cols = ["id", "title", "where", "paths", "module_class", "source", "ms/step", "% of step", "class",
             "% of roofline", "change", "predicted ms/step", "saving ms/step", "saving %", "confidence",
-            "applyable", "how"]
+            "caveat", "applyable", "how"]
     plan = pd.DataFrame(rows, columns=cols)
     if len(plan):
         # Known savings first, largest first; then unknown savings by measured time.
         plan = plan.assign(_k=plan["saving ms/step"].isna()).sort_values(
             ["_k", "saving ms/step", "ms/step"], ascending=[True, False, False]).drop(columns="_k")
-    return plan.reset_index(drop=True)
+    plan = plan.reset_index(drop=True)
+    plan.attrs["host_bound"] = hb
+    return plan
 
 
 def _clean(v):
@@ -328,9 +390,10 @@ def plan_records(plan: pd.DataFrame) -> list[dict]:
 
 def save_plan(run, plan: pd.DataFrame, diagnoses: pd.DataFrame | None = None) -> Path:
     """plan.json: the kernel suggestions (what `kprof apply` patches) and, apart, the diagnoses
-    (kprof.rules.diagnoses: changes the user makes in the script)."""
+    (kprof.rules.diagnoses: changes the user makes in the script). "host_bound": the plan's
+    attrs["host_bound"] (null when the step isn't host-bound)."""
     doc = {"run": run.name, "script": run.summary.get("script"), "argv": run.summary.get("argv"),
-           "suggestions": plan_records(plan)}
+           "host_bound": _clean(plan.attrs.get("host_bound")), "suggestions": plan_records(plan)}
     if diagnoses is not None:
         doc["diagnoses"] = plan_records(diagnoses)
     path = Path(run.path) / PLAN

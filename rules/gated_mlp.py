@@ -54,16 +54,19 @@ def match(path: str, m: nn.Module) -> dict | None:
 
 def replace(m: nn.Module, p: dict) -> dict:
     gate, up, down = (getattr(m, p[k]) for k in ("gate", "up", "down"))
+    # gate(x) and up(x) are this forward's own temporaries, read by nothing but the fused kernel:
+    # its backward may write the grads over them (grad_in_place; 2 x 128 MiB less at the 1B
+    # Llama's backward peak, kernels/glu.py).
     if p["act"] == "silu":
         fused = kernel_fn(SWIGLU)
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            return down(fused(gate(x), up(x)))
+            return down(fused(gate(x), up(x), grad_in_place=True))
     else:
         fused, approximate = kernel_fn(GEGLU), ("tanh" if p["act"] == "gelu_tanh" else "none")
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            return down(fused(gate(x), up(x), approximate=approximate))
+            return down(fused(gate(x), up(x), approximate=approximate, grad_in_place=True))
 
     return {"": forward}
 

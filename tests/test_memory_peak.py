@@ -36,3 +36,11 @@ def test_site_skips_torch_frames_and_groups_by_caller():
     assert site([_f(TORCH, 1)]) == "<torch internal>"
     rows = by_site(live_at_peak(_trace())[1])
     assert rows == [{"site": "/repo/kernels/fused_linear_cross_entropy.py:9 (_lce_launch)", "bytes": 170, "blocks": 2}]
+
+
+def test_site_skips_cpp_frames():
+    # What stacks="all" recorded on the H200 (2026-11-29): C++ frames first, with filename "??".
+    frames = [_f("??", 0, "torch::unwind::unwind()"), _f("??", 0, "c10::cuda::CUDACachingAllocator"),
+              _f("/repo/kernels/rms_norm.py", 5, "_launch_bwd")]
+    assert site(frames) == "/repo/kernels/rms_norm.py:5 (_launch_bwd)"
+    assert site(frames[:2]) == "<torch internal>"

@@ -188,7 +188,7 @@ def test_wrong_kernel_is_caught_and_reverted(monkeypatch):
 def test_strict_raises_on_failed_verification(monkeypatch):
     import kprof.kernels.glu as glu
 
-    monkeypatch.setattr(glu, "swiglu", lambda g, u: torch.nn.functional.silu(u) * g)  # gate and up swapped
+    monkeypatch.setattr(glu, "swiglu", lambda g, u, **kw: torch.nn.functional.silu(u) * g)  # gate and up swapped
     model = _build("llama")
     kprof_patch(model, rules=["gated_mlp"], strict=True)
     with pytest.raises(KprofError, match="gated_mlp at model.layers.0.mlp failed verification"):
@@ -222,7 +222,7 @@ def test_bf16_verification_uses_fp32_truth_and_restores_parameters(name):
 def test_bf16_wrong_kernel_fails_against_fp32_truth(monkeypatch):
     import kprof.kernels.glu as glu
 
-    monkeypatch.setattr(glu, "swiglu", lambda g, u: torch.nn.functional.silu(u) * g)  # gate and up swapped
+    monkeypatch.setattr(glu, "swiglu", lambda g, u, **kw: torch.nn.functional.silu(u) * g)  # gate and up swapped
     model = _build("llama").to(torch.bfloat16)
     report = kprof_patch(model, rules=["gated_mlp"])
     with pytest.warns(UserWarning, match="failed verification"):

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from kprof.kernels.registry import Cost
 from kprof.rules import RULES
-from kprof.suggest import (PLAN, evidence_ops, group_paths, load_plan, match_pattern, module_table, roofline_us,
-                           save_plan, suggest)
+from kprof.suggest import (HOST_BOUND_BUSY_PCT, PLAN, evidence_ops, group_paths, load_plan, match_pattern,
+                           module_table, roofline_us, save_plan, suggest)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -199,3 +199,110 @@ def test_custom_rules_dir_in_suggest(gpt_run):
     plan = suggest(gpt_run, all_rules(str(ROOT / "examples" / "custom_rules")))
     assert "packed_swiglu" not in set(plan["id"])  # no packed MLP in this model: nothing invented
     save_plan(gpt_run, plan)
+
+
+# ------------------------------------------------------------------------------------------
+# Host-bound steps: the repo GPT's real ops, with the summary of a GPU run
+
+
+def _gpu_run(run, path, busy_us, window_us, plain_ms, busy_pct=None):
+    """`run`'s ops under a GPU summary: every step busy `busy_us` of a `window_us` profiled window,
+    unprofiled steps of `plain_ms` (None: not timed)."""
+    from kprof.store import Run
+
+    s = dict(run.summary)
+    s["device"] = dict(s.get("device") or {}) | {"type": "cuda", "name": "NVIDIA H200"}
+    s["idle_by_step"] = [{"step": i, "window (us)": window_us, "busy (us)": busy_us, "idle (us)": window_us - busy_us,
+                          "idle (%)": 100 * (1 - busy_us / window_us)} for i in range(3)] if busy_us is not None else []
+    s["busy_pct"] = busy_pct if busy_pct is not None else (100 * busy_us / window_us if busy_us is not None else None)
+    s["step_time_ms"] = {"median": plain_ms} if plain_ms is not None else None
+    s["profiled_step_time_ms"] = {"median": window_us / 1e3} if window_us is not None else None
+    path.mkdir(parents=True, exist_ok=True)
+    return Run(path=path, summary=s, _ops=run.ops)
+
+
+def test_host_bound_step_marks_every_kernel_row(gpt_run, tmp_path):
+    # The tiny GPT measured on the H200: GPU busy 1.22 ms of a 5.27 ms unprofiled step (23%),
+    # 9% of the 13.5 ms profiled window.
+    hb_run = _gpu_run(gpt_run, tmp_path / "host", 1220.0, 13500.0, 5.27)
+    busy_run = _gpu_run(gpt_run, tmp_path / "gpu", 9500.0, 10000.0, 10.0)
+    hb, gpu = suggest(hb_run), suggest(busy_run)
+    assert len(hb) == 4 and list(hb["id"]) == list(gpu["id"])
+    info = hb.attrs["host_bound"]
+    # the unprofiled step is the basis, not the profiled window's 9%
+    assert info["busy %"] == pytest.approx(1.22 / 5.27 * 100) and info["basis"] == "unprofiled step time"
+    assert info["busy ms/step"] == pytest.approx(1.22) and info["step ms"] == pytest.approx(5.27)
+    for r in hb.to_dict("records"):
+        assert r["confidence"] == "low"
+        assert "GPU busy only 23% of the step (1.22 of 5.27 ms" in r["caveat"] and "host-bound" in r["caveat"]
+        assert "reduce-overhead" in r["caveat"]
+    # the GPU-time savings are kept as they are
+    assert hb["saving ms/step"].tolist() == pytest.approx(gpu["saving ms/step"].tolist())
+
+    # 95% busy: no caveat, the rules' own confidences
+    assert gpu.attrs["host_bound"] is None and (gpu["caveat"] == "").all()
+    own = {r.id: r.confidence for r in RULES}
+    assert gpu["confidence"].tolist() == [own[i] for i in gpu["id"]]
+    assert set(gpu["confidence"]) != {"low"}  # else the host-bound check above proves nothing
+
+
+def test_host_bound_uses_unprofiled_step_over_profiled_busy_pct(gpt_run, tmp_path):
+    # The profiler stretches the window: 30% busy profiled, but 80% of the real (unprofiled) step.
+    plan = suggest(_gpu_run(gpt_run, tmp_path / "a", 8000.0, 26667.0, 10.0))
+    assert plan.attrs["host_bound"] is None and (plan["caveat"] == "").all()
+    # Without unprofiled step times, summary["busy_pct"] decides.
+    plan = suggest(_gpu_run(gpt_run, tmp_path / "b", 1220.0, 13500.0, None, busy_pct=9.0))
+    assert plan.attrs["host_bound"]["busy %"] == pytest.approx(9.0)
+    assert plan.attrs["host_bound"]["basis"] == "profiled steps"
+    assert all(c.startswith("GPU busy only 9% of the step") for c in plan["caveat"])
+    assert 9.0 < HOST_BOUND_BUSY_PCT < 80.0
+
+
+def test_cpu_run_has_no_host_bound_caveat(gpt_run, tmp_path):
+    # A CPU run's busy share is op time on the host, not idle GPU: never a caveat.
+    assert gpt_run.summary["device"]["type"] == "cpu"
+    plan = suggest(gpt_run)
+    assert plan.attrs["host_bound"] is None and len(plan) and (plan["caveat"] == "").all()
+    from kprof.store import Run
+
+    s = dict(gpt_run.summary, busy_pct=None, idle_by_step=[])
+    plan = suggest(Run(path=tmp_path, summary=s, _ops=gpt_run.ops))
+    assert plan.attrs["host_bound"] is None and (plan["caveat"] == "").all()
+
+
+def test_host_bound_caveat_saved_and_rendered_once(gpt_run, tmp_path):
+    from rich.console import Console
+
+    from kprof.cli_patch import render_plan
+
+    run = _gpu_run(gpt_run, tmp_path / "host", 1220.0, 13500.0, 5.27)
+    plan = suggest(run)
+    path = save_plan(run, plan)
+    json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in plan.json"))
+    doc = load_plan(run)
+    assert doc["host_bound"]["busy %"] == pytest.approx(1.22 / 5.27 * 100)
+    assert [s["caveat"] for s in doc["suggestions"]] == plan["caveat"].tolist()
+    assert all("23%" in s["caveat"] and s["confidence"] == "low" for s in doc["suggestions"])
+
+    out = Console(record=True, width=400)
+    render_plan(plan, run.name, path, out=out)
+    text = out.export_text()
+    assert text.count("GPU busy only 23% of the step") == 1 and "caveat:" in text
+
+    # busy_pct alone (no step windows, no step times): the flag's unknown numbers are null, not NaN
+    run = _gpu_run(gpt_run, tmp_path / "bare", None, None, None, busy_pct=9.0)
+    plan = suggest(run)
+    assert "(profiled steps)" in plan["caveat"][0]
+    save_plan(run, plan)
+    doc = load_plan(run)
+    assert doc["host_bound"]["busy %"] == 9.0 and doc["host_bound"]["step ms"] is None
+
+    # a GPU-bound run: no flag, empty caveats, nothing printed
+    run = _gpu_run(gpt_run, tmp_path / "gpu", 9500.0, 10000.0, 10.0)
+    plan = suggest(run)
+    save_plan(run, plan)
+    doc = load_plan(run)
+    assert doc["host_bound"] is None and all(s["caveat"] == "" for s in doc["suggestions"])
+    out = Console(record=True, width=400)
+    render_plan(plan, run.name, path, out=out)
+    assert "caveat:" not in out.export_text() and "GPU busy only" not in out.export_text()

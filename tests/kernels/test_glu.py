@@ -323,6 +323,9 @@ def test_custom_ops_opcheck(device):
         (ops.swiglu_packed_bwd.default, (dy, gu)),
         (ops.geglu_packed_fwd.default, (gu, "none")),
         (ops.geglu_packed_bwd.default, (dy, gu, "tanh")),
+        # grad_in_place's mutating backward ops (write d_gate, d_up over gate, up)
+        (ops.swiglu_bwd_inplace.default, (dy, g.clone(), u.clone())),
+        (ops.geglu_bwd_inplace.default, (dy, g.clone(), u.clone(), "tanh")),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
@@ -394,7 +397,8 @@ def test_registered_specs():
     for name, fn in [("swiglu", glu.swiglu), ("geglu", glu.geglu), ("swiglu_packed", glu.swiglu_packed), ("geglu_packed", glu.geglu_packed)]:
         spec = registry.get(name)
         assert spec.fn is fn and spec.deterministic
-        assert set(spec.op_costs) == {f"kprof::{name}_fwd", f"kprof::{name}_bwd"}
+        inplace = set() if "packed" in name else {f"kprof::{name}_bwd_inplace"}  # grad_in_place's op
+        assert set(spec.op_costs) == {f"kprof::{name}_fwd", f"kprof::{name}_bwd"} | inplace
 
 
 def test_cost_issue_shape():
@@ -465,3 +469,75 @@ def test_profiler_sees_custom_ops(device):
     assert expected <= names, sorted(expected - names)
     fwd = next(e for e in prof.events() if e.name == "kprof::swiglu_fwd")
     assert [list(s) for s in fwd.input_shapes[:2]] == [[3, 40], [3, 40]]
+
+
+# --- grad_in_place: the backward writes d_gate, d_up over gate and up ---------------------------
+
+PAIR_FORMS = [f for f in FORMS if not f[3]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("form", PAIR_FORMS, ids=[f[0] for f in PAIR_FORMS])
+def test_grad_in_place_matches_reference_and_reuses_the_buffers(form, dtype, device):
+    """As the gated-MLP patch calls it: gate and up are non-leaf temporaries; their storage
+    ends up holding the grads, which match the reference with the same table."""
+    _, fn, ref, _, kw = form
+    torch.manual_seed(0)
+    inputs = _make_inputs((37, 781), dtype, device, False)
+    dy = torch.randn(37, 781, device=device).to(dtype)
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    gate, up = (t * 1 for t in leaves)  # temporaries, like gate_proj(x) and up_proj(x)
+    seen = {}
+    gate.register_hook(lambda g: seen.__setitem__("gate", g))
+    up.register_hook(lambda g: seen.__setitem__("up", g))
+    ptrs = (gate.data_ptr(), up.data_ptr())
+    y = fn(gate, up, grad_in_place=True, **kw)
+    y.backward(dy)
+    assert (seen["gate"].data_ptr(), seen["up"].data_ptr()) == ptrs  # no new grad buffers
+    y_ref, grads_ref = _reference(ref, inputs, dy, **kw)
+    assert_close(y.detach(), y_ref, msg=f"{form[0]} forward")
+    for i, (t, g_ref) in enumerate(zip(leaves, grads_ref)):
+        assert_close(t.grad, g_ref, msg=f"{form[0]} grad of input {i} (in place)")
+
+
+@pytest.mark.parametrize("form", PAIR_FORMS, ids=[f[0] for f in PAIR_FORMS])
+def test_grad_in_place_second_backward_raises(form, device):
+    """retain_graph + a second backward would read grads as activations: PyTorch's version
+    check must stop it (the saved tensors' versions are bumped)."""
+    _, fn, _, _, kw = form
+    leaves = [t.requires_grad_() for t in _make_inputs((3, 40), torch.float32, device, False)]
+    y = fn(*(t * 1 for t in leaves), grad_in_place=True, **kw)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace"):
+        y.sum().backward()
+
+
+def test_grad_in_place_falls_back_when_unsafe(device):
+    """Overlapping or strided gate/up (the halves of one projection) get new grad buffers; the
+    grads are right either way."""
+    g, u = torch.randn(5, 2 * 33, device=device).chunk(2, dim=-1)
+    assert not glu._can_write_grads_into(g, u)
+    a = torch.randn(4, 8, device=device)
+    assert not glu._can_write_grads_into(a, a)
+    assert not glu._can_write_grads_into(a[:, :4].contiguous()[0:0], a[:, :4].contiguous()[0:0])
+    assert glu._can_write_grads_into(a, a.clone())
+    base = torch.randn(2, 5, 33, device=device)
+    gate, up = base[0], base[1]  # contiguous, same storage, apart: in place is fine
+    assert glu._can_write_grads_into(gate, up)
+    leaf = torch.randn(5, 2 * 33, device=device, requires_grad=True)
+    gg, uu = (leaf * 1).chunk(2, dim=-1)
+    glu.swiglu(gg, uu, grad_in_place=True).sum().backward()
+    x = leaf.detach().double().requires_grad_()
+    glu.swiglu_reference(*x.chunk(2, dim=-1)).sum().backward()
+    assert_close(leaf.grad, x.grad.float())
+
+
+def test_grad_in_place_under_profiler_uses_the_mutating_op(device):
+    """While a profiler records, the in-place backward runs as kprof::swiglu_bwd_inplace (costed
+    like kprof::swiglu_bwd)."""
+    gate, up = (t.requires_grad_() * 1 for t in _make_inputs((3, 40), torch.float32, device, False))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        glu.swiglu(gate, up, grad_in_place=True).sum().backward()
+    names = {e.name for e in prof.events()}
+    assert "kprof::swiglu_bwd_inplace" in names and "kprof::swiglu_bwd" not in names
+    assert "kprof::swiglu_bwd_inplace" in glu.SWIGLU_SPEC.op_costs

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from kprof.errors import KprofError
 from kprof.kernels import registry
+from kprof.kernels import layer_norm as layer_norm_module
 from kprof.kernels import rms_norm as rms_norm_module  # owns the shared RowConfig limits
 from kprof.kernels._common import assert_close
 from kprof.kernels.layer_norm import SPEC, LayerNorm, layer_norm, layer_norm_reference
@@ -118,7 +119,7 @@ def test_fp32_dweight_on_the_h200_grid(monkeypatch, device):
     from test_rms_norm import H200_SM_COUNT
 
     monkeypatch.setattr(rms_norm_module, "_sm_count", lambda device: H200_SM_COUNT)
-    cfg = rms_norm_module.RowConfig.backward(781)
+    cfg = rms_norm_module.RowConfig.backward(781, layer_norm_module.BWD_BLOCK_ELEMS, layer_norm_module.BWD_MAX_WARPS)
     assert rms_norm_module.backward_grid(1823, cfg, torch.device(device)) == (228, 8)
     _check(*_inputs((1823, 781), torch.float32, device))
 
@@ -363,7 +364,7 @@ def test_kernels_compile_for_sm90():
 
     variants = []
     for cols, dtypes in ((4096, ("*bf16", "*fp32")), (MAX_FUSED_N + 1, ("*bf16",))):  # in-register, looped
-        f, b = rms_norm_module.RowConfig.forward(cols), rms_norm_module.RowConfig.backward(cols)
+        f, b = rms_norm_module.RowConfig.forward(cols), rms_norm_module.RowConfig.backward(cols, layer_norm_module.BWD_BLOCK_ELEMS, layer_norm_module.BWD_MAX_WARPS)
         for dtype in dtypes:
             for affine in (True, False):
                 variants.append(("_layer_norm_fwd_kernel", dtype, dict(
@@ -378,8 +379,8 @@ def test_kernels_compile_for_sm90():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(37, 781), (3, 20000)], ids=["fused", "looped"])
-def test_half_inputs_with_fp32_dw_accumulators(shape, dtype, monkeypatch, device):
-    """HALF_DW_ACC_FP64 = False (swept by benchmarks/cases/norms.py): fp32 dw/db partials for
-    half inputs, against the same tolerance table."""
-    monkeypatch.setattr(rms_norm_module, "HALF_DW_ACC_FP64", False)
+def test_half_inputs_with_fp64_dw_accumulators(shape, dtype, monkeypatch, device):
+    """HALF_DW_ACC_FP64 = True, the non-default setting (fp64 dw/db partials for half inputs;
+    the default fp32 ones run in every other half-precision test), against the same table."""
+    monkeypatch.setattr(rms_norm_module, "HALF_DW_ACC_FP64", True)
     _check(*_inputs(shape, dtype, device, AFFINE[0]))

@@ -509,10 +509,12 @@ def test_kernels_compile_for_sm90():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(37, 781), (3, 20000)], ids=["fused", "looped"])
-def test_half_inputs_with_fp32_dw_accumulators(shape, dtype, monkeypatch, device):
-    """The HALF_DW_ACC_FP64 = False setting the norm sweep measures (fp32 per-program dw
-    partials for half inputs): the same tolerance table, both kernel paths."""
-    monkeypatch.setattr(rms_norm_module, "HALF_DW_ACC_FP64", False)
+def test_half_inputs_with_fp64_dw_accumulators(shape, dtype, monkeypatch, device):
+    """HALF_DW_ACC_FP64 = True, the non-default setting (fp64 per-program dw partials for half
+    inputs; the default fp32 ones run in every other half-precision test): the same tolerance
+    table, both kernel paths."""
     assert not rms_norm_module.dw_acc_f64(dtype) and rms_norm_module.dw_acc_f64(torch.float32)
+    monkeypatch.setattr(rms_norm_module, "HALF_DW_ACC_FP64", True)
+    assert rms_norm_module.dw_acc_f64(dtype)
     x, w = _inputs(shape, dtype, device)
     _check(x, w)
