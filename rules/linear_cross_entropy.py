@@ -56,11 +56,11 @@ def match(path: str, m: nn.Module) -> dict | None:
     return None
 
 
-def _loss(fused, hidden, weight, bias, target, *, num_items=None, softcap=None):
+def _loss(fused, hidden, weight, bias, target, *, num_items=None, softcap=None, grad_into_hidden=False):
     # `fused` is looked up once when the patch is built: a lookup per call (importlib) is a
     # graph break under torch.compile (found by `kprof apply --compare`, 2026-11-29).
     loss = fused(hidden, weight, target, bias, ignore_index=IGNORE, softcap=softcap,
-                 reduction="sum" if num_items is not None else "mean")
+                 reduction="sum" if num_items is not None else "mean", grad_into_hidden=grad_into_hidden)
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
     return loss
@@ -90,9 +90,14 @@ def _hf_forward(m: nn.Module):
         hidden = out[0]  # (B, T, H)
         # ForCausalLMLoss: pad labels with ignore_index on the right, then shift left by one.
         target = F.pad(labels, (0, 1), value=IGNORE)[..., 1:].contiguous()  # (B, T)
+        # The final norm's output is read by nothing after the loss unless the caller asked for
+        # the hidden states back: then the loss must not write its grad over it.
+        wants_hidden = a.get("output_hidden_states")
+        wants_hidden = m.config.output_hidden_states if wants_hidden is None else wants_hidden
         loss = _loss(fused, hidden.reshape(-1, hidden.shape[-1]), m.lm_head.weight, m.lm_head.bias,
                      target.reshape(-1).to(hidden.device), num_items=num_items,
-                     softcap=getattr(m.config, "final_logit_softcapping", None))  # Gemma 2's tanh cap
+                     softcap=getattr(m.config, "final_logit_softcapping", None),  # Gemma 2's tanh cap
+                     grad_into_hidden=not wants_hidden)
         rest = {k: v for k, v in out.items() if k in fields and k != "last_hidden_state"}
         return CausalLMOutputWithPast(loss=loss, logits=None, **rest)
 
@@ -115,7 +120,8 @@ def _nanogpt_forward(m: nn.Module):
         for block in t.h:
             x = block(x)
         x = t.ln_f(x)
-        loss = _loss(fused, x.reshape(B * T, -1), m.lm_head.weight, m.lm_head.bias, targets.reshape(-1))
+        loss = _loss(fused, x.reshape(B * T, -1), m.lm_head.weight, m.lm_head.bias, targets.reshape(-1),
+                     grad_into_hidden=True)  # ln_f's output: read by nothing after the loss
         return None, loss
 
     return forward

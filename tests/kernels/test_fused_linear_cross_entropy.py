@@ -521,3 +521,50 @@ def test_gpu_issue_shape_memory_and_accuracy(device):
 def test_gpu_fp32_accumulation_path(device):
     # accum_dtype=float32 uses aten's out_dtype matmuls (CUDA only).
     _check(*_inputs(2048, 512, 32000, torch.bfloat16, device, bias=True), chunk_size=256, accum_dtype=torch.float32)
+
+
+# --- grad_into_hidden: d loss / d hidden written over hidden in the forward ---------------------
+
+
+def _into_hidden(hidden, weight, target, bias=None, **kw):
+    # hidden as the patch passes it: a non-leaf temporary (the final norm's output)
+    h = hidden * 1
+    seen = {}
+    h.register_hook(lambda g: seen.__setitem__("g", g))
+    ptr = h.data_ptr()
+    loss = linear_cross_entropy(h, weight, target, bias, grad_into_hidden=True, **kw)
+    _into_hidden.last = (seen, ptr)
+    return loss
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_grad_into_hidden_matches_reference_and_reuses_hidden(reduction, dtype, device):
+    inputs = _inputs(37, 16, 781, dtype, device, bias=True, seed=3)
+    loss, grads = _run(_into_hidden, *inputs, reduction=reduction, chunk_size=16)
+    seen, ptr = _into_hidden.last
+    assert seen["g"].data_ptr() == ptr  # no new [N, H] buffer: the grad lives in hidden's storage
+    loss_r, grads_r, dlogits_r = _reference_run(*inputs, reduction=reduction)
+    _compare(loss, grads, loss_r, grads_r, dlogits_r, inputs[0], inputs[1])
+
+
+def test_grad_into_hidden_fails_loudly_if_hidden_is_saved_elsewhere(device):
+    hidden, weight, _, target = _inputs(20, 8, 50, torch.float32, device, bias=True)
+    leaf = hidden.detach().clone().requires_grad_()
+    h = leaf * 1
+    other = (h * h).sum()  # mul saves h for its backward
+    loss = linear_cross_entropy(h, weight, target, grad_into_hidden=True, chunk_size=7)
+    with pytest.raises(RuntimeError, match="inplace"):
+        (loss + other).backward()
+
+
+def test_grad_into_hidden_is_ignored_for_reduction_none_and_views(device):
+    hidden, weight, _, target = _inputs(20, 8, 50, torch.float32, device, bias=True)
+    h = hidden.clone()
+    h_t = hidden.t().contiguous().t()  # non-contiguous: reshape copies, hidden must stay intact
+    before = h_t.clone()
+    w = weight.detach().clone().requires_grad_()
+    linear_cross_entropy(h_t, w, target, grad_into_hidden=True).backward()
+    assert torch.equal(h_t, before)
+    loss = linear_cross_entropy(h, w, target, reduction="none", grad_into_hidden=True)
+    assert torch.equal(h, hidden) and loss.shape == target.shape
