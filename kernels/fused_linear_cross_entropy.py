@@ -421,7 +421,10 @@ def linear_cross_entropy(
     loss = _LinearCrossEntropyFunction.apply(
         h2, weight, bias, t1, ignore_index, label_smoothing, reduction, z_loss, softcap,
         int(chunk_size or 0), accum_fp32, need_gh, need_gw, need_gb,
-        bool(grad_into_hidden) and h2.data_ptr() == hidden.data_ptr() and h2.is_contiguous(),
+        # (not while compiling: Dynamo breaks the graph on a data_ptr comparison, 4 breaks in the
+        # H200 compare of 2026-11-29; the compiled path is functional anyway)
+        bool(grad_into_hidden) and not torch.compiler.is_compiling()
+        and h2.is_contiguous() and h2.data_ptr() == hidden.data_ptr(),
     )
     return loss.view(lead_shape) if reduction == "none" else loss
 
