@@ -203,9 +203,8 @@ def sweep_norm_configs() -> list[dict]:
         _rms.BWD_BLOCK_ELEMS, _ln.BWD_BLOCK_ELEMS = per_norm["rms_norm"], per_norm["layer_norm"]
         _rms.HALF_DW_ACC_FP64 = acc64
         _rms._num_warps = (lambda n: warps) if warps else defaults[3]
-        _rms.BWD_MAX_WARPS = _ln.BWD_MAX_WARPS = 16 if warps else None
-        if not warps:
-            _rms.BWD_MAX_WARPS, _ln.BWD_MAX_WARPS = defaults[4]
+        # A swept warp count lifts the backward's cap; "auto" keeps each norm's default cap.
+        _rms.BWD_MAX_WARPS, _ln.BWD_MAX_WARPS = (16, 16) if warps else defaults[4]
         _rms.RowConfig.forward.cache_clear()
         _rms.RowConfig.backward.cache_clear()
 
