@@ -37,7 +37,7 @@ if has diagnose; then
   timeout ${DIAG_TIMEOUT:-150} python3 benchmarks/diagnose.py --cprofile ${DIAG_ONLY:+--only $DIAG_ONLY} 2>&1 | tee "$OUT/diagnose.log" | tail -150
 fi
 if has sweep; then
-  timeout ${SWEEP_TIMEOUT:-200} python3 -m benchmarks.cases.loss 2>&1 | tee "$OUT/sweep.log" | tail -100
+  timeout ${SWEEP_TIMEOUT:-200} python3 -m benchmarks.cases.loss ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.log" | tail -100
 fi
 if has normsweep; then
   timeout ${NORMSWEEP_TIMEOUT:-150} python3 -m benchmarks.cases.norms 2>&1 | tee "$OUT/normsweep.log" | tail -20

@@ -179,9 +179,12 @@ def sweep_ce_configs(n: int = _N, v: int = _V, dtype: torch.dtype = torch.bfloat
     n_sm = torch.cuda.get_device_properties(dev).multi_processor_count
     elem = logits.element_size()
     configs = {default}
-    for block_bytes in (8192, 16384, 32768, 65536):
-        for warps in (4, 8, 16, 32):
-            for per_sm in (1, 2, 3, 4):
+    # 2026-11-29, the first kernel: 64 configs (8-64 KB blocks, 4-32 warps, 1-4 programs per
+    # SM); 4-warp and 8 KB configs were never within 15% of the best. The in-thread row loop
+    # changes the trade-off (no barrier per block), so the middle of that range is re-swept.
+    for block_bytes in (16384, 32768, 65536):
+        for warps in (8, 16, 32):
+            for per_sm in (1, 2):
                 configs.add(_ce.CEConfig(block_bytes // elem, warps, per_sm * n_sm, False))
     nbytes = _ce._ce_cost(n, v, dtype)["fwd"].bytes
     rows = []
@@ -241,6 +244,69 @@ def sweep_lce_chunks(chunks=(256, 384, 512, 768, 1024, 2048), accum_dtypes=(None
     return rows
 
 
+def sweep_lce_parts(chunks=(256, 512, 1024, 2048), n: int = _N, h: int = _H, v: int = _V) -> list[dict]:
+    """Where linear + CE's time goes per chunk size: each of the chunk loop's four steps timed on
+    its own (median of do_bench) and multiplied by the number of chunks, bf16, the issue's shape.
+    Also grad_h's GEMM ([C, V] @ [V, H]: C x H outputs, only 64 128x256 tiles at C = 512 on 132
+    SMs) split over K through a batched GEMM into fp32 partials and summed, the usual fix for a
+    GEMM with few output tiles and a long K."""
+    import triton.testing
+
+    dev = torch.device("cuda")
+    hidden = torch.randn(n, h, device=dev, dtype=torch.bfloat16)
+    weight = torch.randn(v, h, device=dev, dtype=torch.bfloat16) * h**-0.5
+    target = _targets(n, v, "cuda")
+    gw = torch.empty_like(weight)
+    scale = 1.0 / (target != -100).sum().float()
+    loss = torch.empty(n, device=dev)
+    rows = []
+
+    def t(fn):
+        return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
+
+    full = t(lambda: torch.mm(hidden, weight.t()))  # one [N, V] GEMM, the rate the floor uses
+    print(f"full-size logits GEMM {full:.3f} ms ({2 * n * h * v / full / 1e9:.0f} TFLOP/s)", flush=True)
+    for c in chunks:
+        k = n // c
+        buf = torch.empty(c, v, device=dev, dtype=torch.bfloat16)
+        h_c = hidden[:c]
+        torch.mm(h_c, weight.t(), out=buf)
+        gh = torch.empty(c, h, device=dev, dtype=torch.bfloat16)
+        parts = {
+            "logits mm": t(lambda: torch.mm(h_c, weight.t(), out=buf)),
+            "CE kernel": t(lambda: _ce._ce_fwd_launch(buf, target[:c], buf, loss[:c], scale, -100, 0.0, 0.0, 0.0,
+                                                      check_targets=False)),
+            "grad_W addmm": t(lambda: gw.addmm_(buf.t(), h_c)),
+            "grad_h mm": t(lambda: torch.mm(buf, weight, out=gh)),
+        }
+        for s_k in (2, 4, 8):
+            if v % s_k == 0:
+                part = torch.empty(s_k, c, h, device=dev, dtype=torch.float32)
+                b3 = buf.view(c, s_k, v // s_k).transpose(0, 1)
+                w3 = weight.view(s_k, v // s_k, h)
+
+                def split_k(b3=b3, w3=w3, part=part):
+                    try:  # fp32 partials straight from cuBLAS (aten's out_dtype overload)
+                        torch.ops.aten.bmm.dtype_out(b3, w3, torch.float32, out=part)
+                        gh.copy_(part.sum(0))
+                    except (RuntimeError, AttributeError):
+                        gh.copy_(torch.bmm(b3, w3).sum(0, dtype=torch.float32))
+
+                parts[f"grad_h split-K {s_k}"] = t(split_k)
+        total = sum(parts[p] for p in ("logits mm", "CE kernel", "grad_W addmm", "grad_h mm")) * k
+        line = "  ".join(f"{p} {ms * k:6.2f}" for p, ms in parts.items())
+        print(f"chunk={c:5d} x{k:3d}: {line}  | sum {total:.2f} ms", flush=True)
+        rows.append({"chunk": c, "n_chunks": k, **{p: ms * k for p, ms in parts.items()}, "sum": total})
+    return rows
+
+
 if __name__ == "__main__":
-    sweep_ce_configs()
-    sweep_lce_chunks()
+    import sys
+
+    what = sys.argv[1:] or ["ce", "lce_parts", "lce"]
+    if "ce" in what:
+        sweep_ce_configs()
+    if "lce_parts" in what:
+        sweep_lce_parts()
+    if "lce" in what:
+        sweep_lce_chunks()

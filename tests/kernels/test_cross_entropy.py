@@ -177,6 +177,25 @@ def test_extreme_logits(v, dtype, device):
     _check(logits.to(dtype), target, softcap=30.0, z_loss=1e-4)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("v", [300, 20000], ids=["one-block", "blocked"])
+@pytest.mark.parametrize("opt", ["plain", "z_loss"])
+def test_minus_inf_logits(opt, v, dtype, device):
+    """Vocabulary masked with -inf (padded or banned tokens), as F.cross_entropy allows: finite
+    loss, zero gradient on the masked columns. Row 0 is masked everywhere but its target; row 1
+    has whole leading blocks of -inf (the looped path's running max starts at -inf there)."""
+    logits, target = _inputs(4, v, dtype, device, ignore_every=0)
+    logits[:, 1::3] = float("-inf")
+    target = torch.where(target % 3 == 1, target - 1, target)  # targets stay unmasked
+    logits[0] = float("-inf")
+    logits[0, target[0]] = 1.0
+    logits[1, : min(v - 1, 9000)] = float("-inf")
+    target[1] = v - 1 if (v - 1) % 3 != 1 else v - 2  # an unmasked column after the -inf run
+    loss, grad = _check(logits, target, **OPTIONS[opt])
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert (grad[logits == float("-inf")] == 0).all()
+
+
 def test_softcap_small_and_large_arguments(device):
     # The kernel's tanh switches formula at |x / softcap| = 1/16; cover both sides and the far tail.
     x = torch.tensor([[0.0, 1e-6, -1e-3, 0.0624, 0.0626, -0.5, 2.0, -20.0, 500.0]], device=device) * 4.0
@@ -498,7 +517,7 @@ def fwd_sig(dt):
 flags = ["HAS_SMOOTHING", "HAS_Z_LOSS", "HAS_SOFTCAP", "COMPUTE_GRAD"]
 for dt, single, block, warps, on in [("bf16", True, 16384, 16, (1, 1, 1, 1)), ("bf16", False, 8192, 8, (0, 0, 0, 1)),
                                      ("fp32", False, 8192, 16, (1, 1, 1, 1)), ("fp16", False, 8192, 8, (0, 0, 0, 0))]:
-    consts = {**{f: bool(v) for f, v in zip(flags, on)}, "SINGLE_BLOCK": single, "BLOCK": block}
+    consts = {**{f: bool(v) for f, v in zip(flags, on)}, "SINGLE_BLOCK": single, "BLOCK": block, "VEC": 4 if dt == "fp32" else 8}
     triton.compile(ASTSource(ce._ce_fwd_kernel, fwd_sig(dt), consts), target=target, options={"num_warps": warps})
     print("compiled fwd", dt, consts)
 for n_cols_type in ("i32", "i64"):  # i64: a flat grad past 2^31 elements
