@@ -183,6 +183,7 @@ def bench_case(case, copy_bw_gbps, mm_tflops, versions, rows):
     else:
         notes["liger"] = "no Liger equivalent"
 
+    impls.update({f"kprof {k}": v for k, v in case.kprof_inplace_variants.items()})  # last: they clobber inputs
     inputs = case.make_inputs("cuda", torch.bfloat16)
     results = {}
     for name, fn in impls.items():

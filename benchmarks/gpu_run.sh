@@ -2,7 +2,7 @@
 # One full GPU session on the lent H200, in as few calls as possible (the device budget is 30 min):
 #   bash benchmarks/gpu_run.sh [stages]      stages: comma list of env,tests,bench,calibrate,profile,suggest,apply,step,
 #                                            diagnose (host vs GPU time per kernel; DIAG_ONLY=rms_norm,...), sweep (CE/LCE configs),
-#                                            normsweep (norm launch configs), ncu (Nsight Compute on the kernels that miss), debug (benchmarks/debug_*.py)
+#                                            normsweep (norm launch configs), glusweep (bias+GELU backward configs), ncu (Nsight Compute on the kernels that miss), debug (benchmarks/debug_*.py)
 # Everything lands under $OUT (logs, kernels.csv, calibration, profile summaries); the lead commits
 # what matters to benchmarks/results/. Carry .whl (Liger Kernel wheel) with the call.
 set -uo pipefail
@@ -38,6 +38,9 @@ if has diagnose; then
 fi
 if has sweep; then
   timeout ${SWEEP_TIMEOUT:-200} python3 -m benchmarks.cases.loss ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.log" | tail -100
+fi
+if has glusweep; then
+  timeout ${GLUSWEEP_TIMEOUT:-150} python3 -m benchmarks.cases.glu 2>&1 | tee "$OUT/glusweep.log" | tail -45
 fi
 if has normsweep; then
   timeout ${NORMSWEEP_TIMEOUT:-150} python3 -m benchmarks.cases.norms 2>&1 | tee "$OUT/normsweep.log" | tail -20

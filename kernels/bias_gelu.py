@@ -37,8 +37,11 @@ from kprof.kernels._common import use_triton, via_custom_op, warn_fallback
 from kprof.kernels.glu import (
     _GELU_ACT,
     SUPPORTED_DTYPES,
+    StreamConfig,
     _approx_act,
     _launch_plan,
+    _ld,
+    _st,
     _tile,
     act_and_grad,
     as_rows,
@@ -52,19 +55,35 @@ from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 
 
 @triton.jit
+def _gelu_fwd(g, ACT: tl.constexpr):
+    # The forward needs no derivative, so tanh GELU takes the plain g * sigmoid(2z) = g / (1 +
+    # exp(-2z)): exp overflowing to inf for g << 0 gives g / inf = -0, the right limit, and the
+    # relative error stays a few ulp. act_and_grad's branch-free form (exp(-|u|) and a select,
+    # there to keep s * (1 - s) exact for the derivative) costs 4 more instructions per element,
+    # and this kernel is issue-bound (ptxas, sm_90a: 23 instructions per element for 4 bytes of
+    # traffic, against ~28 that an SM can issue per 4 bytes at the H200's copy bandwidth).
+    if ACT == 1:
+        u = 1.5957691216057308 * (g + 0.044715 * g * g * g)
+        return g / (1.0 + tl.exp(-u))
+    else:
+        a, _ = act_and_grad(g, ACT)
+        return a
+
+
+@triton.jit
 def _bias_gelu_fwd_kernel(
     x_ptr, b_ptr, y_ptr,
     n_rows, n_cols,
     stride_x, stride_y,  # row strides in elements; columns have stride 1
     ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN: tl.constexpr,  # n_rows % BLOCK_M == 0 and n_cols % BLOCK_N == 0: no masks
 ):  # fmt: skip
     rows, cols, mask = _tile(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N)
     r = rows[:, None]
     c = cols[None, :]
-    b = tl.load(b_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + r * stride_x + c, mask=mask, other=0.0).to(tl.float32)
-    y, _ = act_and_grad(x + b[None, :], ACT)
-    tl.store(y_ptr + r * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=mask)
+    b = _ld(b_ptr + cols, cols < n_cols, EVEN)
+    x = _ld(x_ptr + r * stride_x + c, mask, EVEN)
+    _st(y_ptr + r * stride_y + c, _gelu_fwd(x + b[None, :], ACT), mask, EVEN)
 
 
 @triton.jit
@@ -72,17 +91,17 @@ def _bias_gelu_bwd_kernel(
     dy_ptr, x_ptr, b_ptr, dx_ptr, part_ptr,
     n_rows, n_cols,
     stride_dy, stride_x, stride_dx,
-    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
     # grid = (column blocks, groups): this program owns columns [pid_n * BLOCK_N, +BLOCK_N) and
-    # row tiles pid_g, pid_g + n_groups, ...; it writes dx for them and one fp32 partial dbias row.
+    # row tiles pid_g, pid_g + n_groups, ...; it writes dx for them and one fp64 partial dbias row.
     pid_n = tl.program_id(0)
     pid_g = tl.program_id(1)
     n_groups = tl.num_programs(1)
     cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     c = cols[None, :]
-    b = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    b = _ld(b_ptr + cols, col_mask, EVEN)
     # fp64 accumulator: an fp32 one walking 20000 rows (H200 test, 4097 columns) drifted past the
     # fp32 tolerance on columns whose dbias is near 0 (error grows with the row count, not with
     # |dbias|). One convert + one fp64 add per element: half-rate on H100/H200, and even at
@@ -94,11 +113,11 @@ def _bias_gelu_bwd_kernel(
         rows = tl.arange(0, BLOCK_M).to(tl.int64) + t * BLOCK_M  # int64: r * stride may pass 2^31
         r = rows[:, None]
         mask = (r < n_rows) & col_mask[None, :]
-        dy = tl.load(dy_ptr + r * stride_dy + c, mask=mask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + r * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+        dy = _ld(dy_ptr + r * stride_dy + c, mask, EVEN)
+        x = _ld(x_ptr + r * stride_x + c, mask, EVEN)
         _, da = act_and_grad(x + b[None, :], ACT)
         dx = dy * da  # masked lanes: dy = 0 -> dx = 0, so they add nothing to acc
-        tl.store(dx_ptr + r * stride_dx + c, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        _st(dx_ptr + r * stride_dx + c, dx, mask, EVEN)
         acc += dx.to(tl.float64)
     tl.store(part_ptr + pid_g.to(tl.int64) * n_cols + cols, tl.sum(acc, axis=0), mask=col_mask)
 
@@ -113,6 +132,17 @@ def _bias_gelu_bwd_kernel(
 # the test shapes so the two-level dbias reduction is exercised.
 _PROGRAMS_PER_SM = 8
 _INTERPRETER_SMS = 4
+# Backward tile (elements per program per row step) and warps; None: the forward's streaming
+# plan (4096 elements, 8 warps). The fp64 dbias accumulator is 2 registers per element of the
+# tile, so the tile sets the registers a thread needs and how many programs fit an SM (ncu,
+# 2026-11-29: 98 registers, 25% occupancy at the default). Swept by benchmarks.cases.glu.
+BWD_TILE: int | None = None
+BWD_WARPS: int | None = None
+
+
+def _bwd_plan(n_rows: int, n_cols: int) -> tuple[int, int, int]:
+    cfg = StreamConfig.streaming(n_rows, n_cols, BWD_TILE)
+    return cfg.block_m, cfg.block_n, BWD_WARPS or cfg.num_warps
 
 
 @functools.lru_cache(maxsize=None)
@@ -175,7 +205,7 @@ def _fwd(x: torch.Tensor, bias: torch.Tensor, act: int) -> torch.Tensor:
     with device_ctx(x):
         _bias_gelu_fwd_kernel[grid](
             x2, b, y, n_rows, n, sx, n,
-            ACT=act, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+            ACT=act, BLOCK_M=bm, BLOCK_N=bn, EVEN=n_rows % bm == 0 and n % bn == 0, num_warps=warps,
         )  # fmt: skip
     return y
 
@@ -190,14 +220,14 @@ def _bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, act: int) -> tup
     dy2, sdy = _rows(dy, n)
     x2, sx = _rows(x, n)
     b = bias if bias.is_contiguous() else bias.contiguous()
-    _, bm, bn, warps = _launch_plan(n_rows, n)
+    bm, bn, warps = _bwd_plan(n_rows, n)
     n_col_blocks = triton.cdiv(n, bn)
     n_groups = _n_groups(x, triton.cdiv(n_rows, bm), n_col_blocks)
     partial = torch.empty((n_groups, n), dtype=torch.float64, device=x.device)
     with device_ctx(x):
         _bias_gelu_bwd_kernel[(n_col_blocks, n_groups)](
             dy2, x2, b, dx, partial, n_rows, n, sdy, sx, n,
-            ACT=act, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+            ACT=act, BLOCK_M=bm, BLOCK_N=bn, EVEN=n_rows % bm == 0 and n % bn == 0, num_warps=warps,
         )  # fmt: skip
     # Second level: a fixed-order fp64 sum over n_groups partial rows (deterministic), then one
     # rounding to bias's dtype. Partial traffic at 16384x16384: 264 groups x 16384 x 8 bytes =

@@ -85,14 +85,22 @@ def _ce_grad_block(z, t, is_y, m, p_coef, smooth_g, target_g, HAS_SMOOTHING: tl.
 
 
 @triton.jit
-def _ce_load(x_row, offs, mask, softcap, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, EVICT: tl.constexpr):
-    # One [G, VEC] block of a row as fp32 (after the softcap), and t = tanh(x / softcap) for the
-    # softcap's gradient. Full blocks load without a mask: the mask's compare and select per
-    # element are a measurable share of an issue-bound loop (ncu: 68% of SM throughput, 2026-11-29).
+def _ce_raw(x_row, offs, mask, MASKED: tl.constexpr, EVICT: tl.constexpr):
+    # One [G, VEC] block of a row in the input dtype. Full blocks load without a mask: the mask's
+    # compare and select per element are a measurable share of an issue-bound loop (ncu: 68% of
+    # SM throughput, 2026-11-29). Nothing here waits for the data, so the row loops issue the
+    # next block's load before the math on the current one (see the pass loops).
     if MASKED:
-        x = tl.load(x_row + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        return tl.load(x_row + offs, mask=mask, other=0.0, eviction_policy=EVICT)
     else:
-        x = tl.load(x_row + offs, eviction_policy=EVICT).to(tl.float32)
+        return tl.load(x_row + offs, eviction_policy=EVICT)
+
+
+@triton.jit
+def _ce_prep(raw, mask, softcap, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    # fp32 values after the softcap (masked lanes -inf), and t = tanh(x / softcap) for the
+    # softcap's gradient.
+    x = raw.to(tl.float32)
     t = x
     if HAS_SOFTCAP:
         t = _tanh(x / softcap)
@@ -187,13 +195,21 @@ def _ce_fwd_kernel(
                 d_v = tl.zeros([G], tl.float32)
                 s_v = tl.zeros([G], tl.float32)
                 n_v = tl.zeros([G], tl.float32)
-                for b in range(0, n_full):
-                    x, t = _ce_load(x_row, b * BLOCK + grp, None, softcap, False, HAS_SOFTCAP, "evict_last")
-                    m_v, d_v, s_v, n_v = _ce_lse_update(x, None, m_v, d_v, s_v, n_v, b == 0, False, HAS_SMOOTHING)
+                if n_full > 0:
+                    # Software-pipelined by hand: block b + 1's load is in flight while block b's
+                    # math runs (Triton 3.6 pipelines no tl.load of this loop by itself).
+                    raw = _ce_raw(x_row, grp, None, False, "evict_last")
+                    for b in range(1, n_full):
+                        nxt = _ce_raw(x_row, b * BLOCK + grp, None, False, "evict_last")
+                        x, t = _ce_prep(raw, None, softcap, False, HAS_SOFTCAP)
+                        m_v, d_v, s_v, n_v = _ce_lse_update(x, None, m_v, d_v, s_v, n_v, b == 1, False, HAS_SMOOTHING)
+                        raw = nxt
+                    x, t = _ce_prep(raw, None, softcap, False, HAS_SOFTCAP)
+                    m_v, d_v, s_v, n_v = _ce_lse_update(x, None, m_v, d_v, s_v, n_v, n_full == 1, False, HAS_SMOOTHING)
                 if tail < n_cols:
                     offs = tail + grp
                     mask = offs < n_cols
-                    x, t = _ce_load(x_row, offs, mask, softcap, True, HAS_SOFTCAP, "evict_last")
+                    x, t = _ce_prep(_ce_raw(x_row, offs, mask, True, "evict_last"), mask, softcap, True, HAS_SOFTCAP)
                     m_v, d_v, s_v, n_v = _ce_lse_update(x, mask, m_v, d_v, s_v, n_v, n_full == 0, True, HAS_SMOOTHING)
                 # the one cross-thread reduction of the row
                 m = tl.max(m_v, 0)
@@ -240,14 +256,20 @@ def _ce_fwd_kernel(
                     if tail < n_cols:
                         offs = tail + grp
                         mask = offs < n_cols
-                        x, t = _ce_load(x_row, offs, mask, softcap, True, HAS_SOFTCAP, "evict_first")
+                        x, t = _ce_prep(_ce_raw(x_row, offs, mask, True, "evict_first"), mask, softcap, True, HAS_SOFTCAP)
                         g = _ce_grad_block(x, t, None, m, p_coef, smooth_g, 0.0, HAS_SMOOTHING, HAS_SOFTCAP, False)
                         tl.store(g_row + offs, g.to(grad_ptr.dtype.element_ty), mask=mask, cache_modifier=".cs")
-                    for i in range(0, n_full):
-                        offs = (n_full - 1 - i) * BLOCK + grp
-                        x, t = _ce_load(x_row, offs, None, softcap, False, HAS_SOFTCAP, "evict_first")
+                    if n_full > 0:  # pipelined like pass 1
+                        raw = _ce_raw(x_row, (n_full - 1) * BLOCK + grp, None, False, "evict_first")
+                        for i in range(1, n_full):
+                            nxt = _ce_raw(x_row, (n_full - 1 - i) * BLOCK + grp, None, False, "evict_first")
+                            x, t = _ce_prep(raw, None, softcap, False, HAS_SOFTCAP)
+                            g = _ce_grad_block(x, t, None, m, p_coef, smooth_g, 0.0, HAS_SMOOTHING, HAS_SOFTCAP, False)
+                            tl.store(g_row + (n_full - i) * BLOCK + grp, g.to(grad_ptr.dtype.element_ty), cache_modifier=".cs")
+                            raw = nxt
+                        x, t = _ce_prep(raw, None, softcap, False, HAS_SOFTCAP)
                         g = _ce_grad_block(x, t, None, m, p_coef, smooth_g, 0.0, HAS_SMOOTHING, HAS_SOFTCAP, False)
-                        tl.store(g_row + offs, g.to(grad_ptr.dtype.element_ty), cache_modifier=".cs")
+                        tl.store(g_row + grp, g.to(grad_ptr.dtype.element_ty), cache_modifier=".cs")
                     # The target column's -(1 - eps) term, written once instead of a compare and
                     # select per column. The barrier orders it after the block store of the same
                     # address by another thread of this program.

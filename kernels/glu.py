@@ -136,6 +136,23 @@ def _tile(pid, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _ld(ptrs, mask, EVEN: tl.constexpr):
+    """Load as fp32; EVEN (every tile full): no mask, so no compare and predicate per element."""
+    if EVEN:
+        return tl.load(ptrs).to(tl.float32)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _st(ptrs, value, mask, EVEN: tl.constexpr):
+    if EVEN:
+        tl.store(ptrs, value.to(ptrs.dtype.element_ty))
+    else:
+        tl.store(ptrs, value.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _glu_fwd_kernel(
     g_ptr, u_ptr, y_ptr,
     n_rows, n_cols,
@@ -193,17 +210,18 @@ class StreamConfig:
 
     @classmethod
     @functools.lru_cache(maxsize=1024)  # per call otherwise: ~10 us of Python on the H200 host
-    def streaming(cls, n_rows: int, n_cols: int) -> "StreamConfig":
-        """A [block_m, block_n] tile of about TILE elements; wide rows are split into column
-        blocks (so any row length works), narrow rows are stacked so a program still moves
-        TILE elements."""
-        block_n = min(triton.next_power_of_2(max(n_cols, 1)), cls.TILE)
-        if n_rows > 1 and n_cols > cls.TILE:
+    def streaming(cls, n_rows: int, n_cols: int, tile: int | None = None) -> "StreamConfig":
+        """A [block_m, block_n] tile of about `tile` (default TILE) elements; wide rows are split
+        into column blocks (so any row length works), narrow rows are stacked so a program still
+        moves `tile` elements."""
+        tile = tile or cls.TILE
+        block_n = min(triton.next_power_of_2(max(n_cols, 1)), tile)
+        if n_rows > 1 and n_cols > tile:
             # Rows wider than a tile: take the column block (>= 512) that wastes the fewest
             # masked lanes on the row's last block, largest on ties. I = 11008: 4096 pads to
             # 12288 (90% useful), 1024 pads to 11264 (98%) -> 4 rows x 1024.
-            block_n = min((cls.TILE >> k for k in range(4)), key=lambda b: (triton.cdiv(n_cols, b) * b, -b))
-        block_m = min(max(cls.TILE // block_n, 1), triton.next_power_of_2(max(n_rows, 1)))
+            block_n = min((tile >> k for k in range(4)), key=lambda b: (triton.cdiv(n_cols, b) * b, -b))
+        block_m = min(max(tile // block_n, 1), triton.next_power_of_2(max(n_rows, 1)))
         num_warps = 8 if block_m * block_n >= 4096 else 4
         return cls(block_m, block_n, num_warps)
 

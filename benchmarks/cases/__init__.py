@@ -25,3 +25,6 @@ class Case:
     # Other settings of kprof's kernel timed in the same run, as impl "kprof <name>" (e.g. a chunk
     # size that trades memory for speed); checked for correctness like the default.
     kprof_variants: dict = field(default_factory=dict)
+    # Variants that overwrite an input (e.g. linear + CE writing grad_hidden over hidden): checked
+    # and timed after every other implementation, since the inputs hold garbage afterwards.
+    kprof_inplace_variants: dict = field(default_factory=dict)

@@ -177,3 +177,58 @@ CASES: list[Case] = [
         targets_us=_targets_at_bw_fraction("bias_gelu", _BIAS_ERF, 0.90),
     ),
 ]
+
+
+# --- launch-config sweep for bias + GELU's backward (run on the GPU; not part of CASES) --------
+
+
+def sweep_bias_gelu() -> list[dict]:
+    """GPU kernel time (torch.profiler, host overhead excluded; `benchmarks.cases.norms.
+    kernel_time_us`) of kprof's bias + GELU at the issue's shape, tanh and erf: the forward once,
+    then forward+backward over the backward's tile, warps and programs per SM
+    (kernels/bias_gelu.py BWD_TILE, BWD_WARPS, _PROGRAMS_PER_SM), each checked against the
+    default config. % of copy bandwidth from the cost model's bytes and the issue's 4.27 TB/s.
+    `python -m benchmarks.cases.glu`."""
+    import itertools
+
+    from benchmarks.cases.norms import kernel_time_us
+    from kprof.kernels import registry
+
+    defaults = (_bg.BWD_TILE, _bg.BWD_WARPS, _bg._PROGRAMS_PER_SM)
+    rows = []
+    try:
+        for problem in (_BIAS_TANH, _BIAS_ERF):
+            approx = problem["approximate"]
+            cost = registry.get("bias_gelu").cost(**problem)
+            fb_bytes = cost["fwd"].bytes + cost["bwd"].bytes
+            inputs = _bias_inputs(approx)("cuda", torch.bfloat16)
+            leaves = [inputs["x"], inputs["bias"]]
+            dy = torch.randn_like(inputs["x"])
+            _bg.BWD_TILE, _bg.BWD_WARPS, _bg._PROGRAMS_PER_SM = defaults
+            ref_y = _bg.bias_gelu(**inputs)
+            ref = torch.autograd.grad(ref_y, leaves, dy)
+            us = kernel_time_us(lambda: _bg.bias_gelu(**inputs), [])
+            print(f"bias_gelu {approx:4s} fwd {us:7.1f} us  {100 * cost['fwd'].bytes / (us * 1e-6) / _H200_COPY_BW:5.1f}% of copy BW",
+                  flush=True)
+            for tile, warps, per_sm in itertools.product((1024, 2048, 4096), (4, 8), (4, 8, 16)):
+                _bg.BWD_TILE, _bg.BWD_WARPS, _bg._PROGRAMS_PER_SM = tile, warps, per_sm
+                try:
+                    got = torch.autograd.grad(_bg.bias_gelu(**inputs), leaves, dy)
+                    ok = all(bool((a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max()) for a, b in zip(got, ref))
+                    us = kernel_time_us(lambda: torch.autograd.backward(_bg.bias_gelu(**inputs), dy), leaves)
+                except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result
+                    ok, us = False, float("nan")
+                    print(f"  {tile} {warps} {per_sm}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                pct = 100 * fb_bytes / (us * 1e-6) / _H200_COPY_BW
+                rows.append({"act": approx, "tile": tile, "warps": warps, "per_sm": per_sm, "us": us, "pct": pct, "ok": ok})
+                print(f"bias_gelu {approx:4s} fwd+bwd tile={tile:5d} warps={warps} per_sm={per_sm:2d} {us:7.1f} us "
+                      f"{pct:5.1f}% {'' if ok else 'MISMATCH'}", flush=True)
+            inputs = leaves = dy = ref = ref_y = None
+            torch.cuda.empty_cache()
+    finally:
+        _bg.BWD_TILE, _bg.BWD_WARPS, _bg._PROGRAMS_PER_SM = defaults
+    return rows
+
+
+if __name__ == "__main__":
+    sweep_bias_gelu()

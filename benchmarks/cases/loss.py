@@ -150,6 +150,10 @@ CASES: list[Case] = [
         # 256 rows is Liger's memory, 2048 torch.compile's speed; the default is 512.
         kprof_variants={"chunk=256": functools.partial(_lce.linear_cross_entropy, chunk_size=256),
                         "chunk=2048": functools.partial(_lce.linear_cross_entropy, chunk_size=2048)},
+        # What the LM-head patch runs in a training step: grad_hidden written over hidden (the
+        # final norm's output, which nothing reads after the loss), so the 512-row chunk fits in
+        # the memory Liger's separate grad_hidden takes.
+        kprof_inplace_variants={"grad_into_hidden": functools.partial(_lce.linear_cross_entropy, grad_into_hidden=True)},
     ),
 ]
 
@@ -300,13 +304,56 @@ def sweep_lce_parts(chunks=(256, 512, 1024, 2048), n: int = _N, h: int = _H, v: 
     return rows
 
 
+def profile_lce(chunks=(512, 2048), n: int = _N, h: int = _H, v: int = _V) -> None:
+    """Kernel time by kernel name and GPU idle time inside one linear + CE fwd+bwd per chunk size
+    (torch.profiler, after warm-up), against its wall time: what the per-part sweep misses."""
+    from torch.profiler import ProfilerActivity, profile
+
+    inputs = _lce_inputs("cuda", torch.bfloat16)
+    leaves = [inputs["hidden"], inputs["weight"]]
+    for c in chunks:
+        for into_hidden in (False, True):
+            def step():
+                for t in leaves:
+                    t.grad = None
+                _lce.linear_cross_entropy(**inputs, chunk_size=c, grad_into_hidden=into_hidden).backward()
+
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(5):
+                step()
+            end.record()
+            torch.cuda.synchronize()
+            wall = start.elapsed_time(end) / 5
+            extra = (torch.cuda.max_memory_allocated() - base) / 2**20
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+            by_name: dict[str, float] = {}
+            for e in prof.events():
+                if e.device_type == torch.autograd.DeviceType.CUDA:
+                    by_name[e.name[:60]] = by_name.get(e.name[:60], 0.0) + e.device_time / 1e3
+            busy = sum(by_name.values())
+            print(f"chunk={c} grad_into_hidden={into_hidden}: {wall:.2f} ms/step (events, 5 steps), "
+                  f"kernels {busy:.2f} ms, peak extra {extra:.1f} MiB (grads kept alive between steps count)", flush=True)
+            for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:8]:
+                print(f"    {ms:7.2f} ms  {name}", flush=True)
+
+
 if __name__ == "__main__":
     import sys
 
-    what = sys.argv[1:] or ["ce", "lce_parts", "lce"]
+    what = sys.argv[1:] or ["ce", "lce_parts", "lce", "lce_profile"]
     if "ce" in what:
         sweep_ce_configs()
     if "lce_parts" in what:
         sweep_lce_parts()
     if "lce" in what:
         sweep_lce_chunks()
+    if "lce_profile" in what:
+        profile_lce()

@@ -143,6 +143,31 @@ def test_dbias_many_row_tiles_per_group(dtype, device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("shape", [(64, 64), (8, 2048), (16, 8192)], ids=["one-tile", "tile-rows", "col-blocks"])
+def test_even_tiles_unmasked_path(shape, approximate, dtype, device):
+    """Shapes that tile exactly take the kernels' unmasked (EVEN) path; the same checks."""
+    cfg = StreamConfig.streaming(*shape)
+    assert shape[0] % cfg.block_m == 0 and shape[1] % cfg.block_n == 0
+    g = torch.Generator().manual_seed(1)
+    x, b, dy = (torch.randn(s, generator=g).to(device, dtype) for s in (shape, shape[-1:], shape))
+    _check(x, b, dy, approximate)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tile,warps", [(1024, 4), (2048, 8)])
+def test_backward_launch_knobs(tile, warps, dtype, monkeypatch, device):
+    """BWD_TILE / BWD_WARPS (what benchmarks.cases.glu sweeps): other backward tiles, the same
+    results, on an even and an odd shape."""
+    monkeypatch.setattr(bg, "BWD_TILE", tile)
+    monkeypatch.setattr(bg, "BWD_WARPS", warps)
+    g = torch.Generator().manual_seed(2)
+    for shape in ((40, 4096), (37, 781)):
+        x, b, dy = (torch.randn(s, generator=g).to(device, dtype) for s in (shape, shape[-1:], shape))
+        _check(x, b, dy, "tanh")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_extreme_inputs(dtype, device):
     big = 60.0 if dtype == torch.float16 else 1e4
     x = torch.tensor([[-big, -90.0, -30.0, -5.0, -1e-3, 0.0, 1e-3, 5.0, 30.0, 90.0, big]], device=device).to(dtype)
