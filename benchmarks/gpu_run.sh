@@ -46,7 +46,7 @@ if has normsweep; then
   timeout ${NORMSWEEP_TIMEOUT:-150} python3 -m benchmarks.cases.norms 2>&1 | tee "$OUT/normsweep.log" | tail -20
 fi
 if has ncu; then
-  timeout ${NCU_TIMEOUT:-120} ncu --kernel-name regex:'_ce_fwd|_rms_norm_bwd|_layer_norm_(fwd|bwd)|_bias_gelu_bwd' \
+  timeout ${NCU_TIMEOUT:-120} ncu --kernel-name regex:"${NCU_KERNELS:-_ce_fwd|_rms_norm_bwd|_layer_norm_(fwd|bwd)|_bias_gelu_bwd}" \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --metrics dram__bytes_read.sum,dram__bytes_write.sum python3 benchmarks/ncu_kernels.py >"$OUT/ncu.log" 2>&1
   grep -E "_kernel|dram__bytes|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|DRAM Throughput|Block Size|Grid Size" "$OUT/ncu.log" | head -120

@@ -130,14 +130,14 @@ def _bias_gelu_bwd_kernel(
 # the H100/H200 per-SM maximum) so one wave keeps every SM streaming. In the interpreter the
 # "SM count" is 4: programs run one after another there, and 4 still gives several groups on
 # the test shapes so the two-level dbias reduction is exercised.
-_PROGRAMS_PER_SM = 8
+_PROGRAMS_PER_SM = 4
 _INTERPRETER_SMS = 4
 # Backward tile (elements per program per row step) and warps; None: the forward's streaming
 # plan (4096 elements, 8 warps). The fp64 dbias accumulator is 2 registers per element of the
 # tile, so the tile sets the registers a thread needs and how many programs fit an SM (ncu,
 # 2026-11-29: 98 registers, 25% occupancy at the default). Swept by benchmarks.cases.glu.
-BWD_TILE: int | None = None
-BWD_WARPS: int | None = None
+BWD_TILE: int | None = 2048
+BWD_WARPS: int | None = 8
 
 
 def _bwd_plan(n_rows: int, n_cols: int) -> tuple[int, int, int]:

@@ -165,11 +165,26 @@ def _ce_fwd_kernel(
     n_full = n_cols // BLOCK
     tail = n_full * BLOCK
     # Persistent grid: each program walks rows pid, pid + n_progs, ... (see CEConfig).
+    # The next row's target and (looped path) first block are loaded one row ahead, and z_y and
+    # the scale at the top of the row: otherwise a row waits on ~4 dependent memory round trips
+    # (target -> branch -> first block; z_y after pass 1; ...), each ~1 us, with one program per
+    # SM and ~62 rows each at the issue's shape (H200, 2026-11-29: 1.37 ms with them exposed).
+    y_nxt = tl.load(target_ptr + tl.minimum(pid, n_rows - 1)).to(tl.int32)  # host-validated: ignore_index or in [0, V)
+    if not SINGLE_BLOCK:
+        first_mask = grp < n_cols
+        r0 = tl.zeros([], tl.int64) + tl.minimum(pid, n_rows - 1)
+        blk_nxt = tl.load(logits_ptr + r0 * stride_l + grp, mask=first_mask, other=0.0, eviction_policy="evict_last")
     for row in range(pid, n_rows, n_progs):
         row64 = tl.zeros([], tl.int64) + row  # row * stride overflows int32 past 2^31 elements
         x_row = logits_ptr + row64 * stride_l
         g_row = grad_ptr + row64 * stride_g
-        y = tl.load(target_ptr + row).to(tl.int32)  # validated on the host: ignore_index or in [0, V)
+        y = y_nxt
+        nrow = tl.minimum(row + n_progs, n_rows - 1)  # past the end: a harmless reload of the last row
+        y_nxt = tl.load(target_ptr + nrow).to(tl.int32)
+        if not SINGLE_BLOCK:
+            blk = blk_nxt
+            nrow64 = tl.zeros([], tl.int64) + nrow
+            blk_nxt = tl.load(logits_ptr + nrow64 * stride_l + grp, mask=first_mask, other=0.0, eviction_policy="evict_last")
         if y == ignore_index:
             tl.store(loss_ptr + row, 0.0)
             if COMPUTE_GRAD:
@@ -177,6 +192,9 @@ def _ce_fwd_kernel(
                     offs = b * BLOCK + cols
                     tl.store(g_row + offs, tl.zeros([BLOCK], tl.float32).to(grad_ptr.dtype.element_ty), mask=offs < n_cols)
         else:
+            z_y_raw = tl.load(x_row + y)  # issued now, used after pass 1
+            if COMPUTE_GRAD:
+                scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
             # ---- pass 1: max m, d = sum_j exp(z_j - m), and (label smoothing) s = sum_j (z_j - m),
             # kept relative to m so that it is exact for flat rows.
             if SINGLE_BLOCK:
@@ -197,8 +215,9 @@ def _ce_fwd_kernel(
                 n_v = tl.zeros([G], tl.float32)
                 if n_full > 0:
                     # Software-pipelined by hand: block b + 1's load is in flight while block b's
-                    # math runs (Triton 3.6 pipelines no tl.load of this loop by itself).
-                    raw = _ce_raw(x_row, grp, None, False, "evict_last")
+                    # math runs (Triton 3.6 pipelines no tl.load of this loop by itself). Block 0
+                    # was loaded during the previous row.
+                    raw = blk
                     for b in range(1, n_full):
                         nxt = _ce_raw(x_row, b * BLOCK + grp, None, False, "evict_last")
                         x, t = _ce_prep(raw, None, softcap, False, HAS_SOFTCAP)
@@ -224,7 +243,7 @@ def _ce_fwd_kernel(
 
             # ---- loss = lse - (1-eps) z_y - eps mean_j z_j  (+ z_loss lse^2)
             #           = log d + (1-eps) (m - z_y) - eps s / V
-            z_y = tl.load(x_row + y).to(tl.float32)
+            z_y = z_y_raw.to(tl.float32)
             t_y = z_y
             if HAS_SOFTCAP:
                 t_y = _tanh(z_y / softcap)
@@ -239,7 +258,6 @@ def _ce_fwd_kernel(
 
             # ---- pass 2: the gradient, scaled
             if COMPUTE_GRAD:
-                scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
                 p_coef = scale / d
                 if HAS_Z_LOSS:
                     p_coef = p_coef * (1.0 + 2.0 * z_loss * lse)
@@ -356,15 +374,16 @@ class CEConfig:
             # One read per row, no L2 constraint. Programs per SM by registers: ~1 at 16 warps.
             per_sm = max(1, 16 // warps)
             return cls(block, warps, max(1, min(n_rows, per_sm * n_sm)), True)
-        # Measured on the H200 (2026-11-29, bf16 8192 x 128256, fwd writing the grad; sweep of
-        # 64 configs, `python -m benchmarks.cases.loss`): 32768-column blocks over 32 warps (32
-        # values a thread) at 1.46 ms (2.87 TB/s on the 4.2 GB the kernel must move), against
-        # 2.47 ms for the napkin-math pick (16 KB blocks, 8 warps, 2 programs per SM) and 1.65 ms
-        # for the best 16-warp config. Grid size did not matter at this block (1.46-1.49 ms from
-        # 1 to 4 programs per SM): a 32-warp program is a whole SM's worth of loads in flight, and
-        # whether the second read of a row hits L2 is measured with ncu (DRAM bytes; benchmarks/results).
-        # One program per SM: 32 warps leave room for two, which measured the same.
-        return cls(32768, 32, max(1, min(n_rows, n_sm)), False)
+        # Measured on the H200 (2026-11-29, bf16 8192 x 128256, fwd writing the grad,
+        # `python -m benchmarks.cases.loss ce`). First kernel (a block max and sum across the
+        # program per block): 32768-column blocks over 32 warps at 1.46 ms, 2.47 ms for the
+        # napkin-math pick, 1.65 ms for the best 16-warp config, grid size no matter. The
+        # in-thread loop with the next block prefetched: 1.34 ms at 16384 or 32768 x 32 warps,
+        # 1-2 programs per SM alike; 16 and 8 warps 1.36-5.4 ms. With the next row's first
+        # block also held in registers, 32768 x 32 warps spills (ptxas, sm_90a: 64 registers,
+        # the cap for 1024 threads), 16384 fits (63). One program per SM keeps the rows in
+        # flight (132 x 256 KB) inside L2 for pass 2's re-read.
+        return cls(16384, 32, max(1, min(n_rows, n_sm)), False)
 
 
 def _check_logits_target(logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> None:

@@ -343,6 +343,17 @@ def profile_lce(chunks=(512, 2048), n: int = _N, h: int = _H, v: int = _V) -> No
                   f"kernels {busy:.2f} ms, peak extra {extra:.1f} MiB (grads kept alive between steps count)", flush=True)
             for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:8]:
                 print(f"    {ms:7.2f} ms  {name}", flush=True)
+            # Where the GPU sits idle inside the profiled step: the largest gaps between kernels.
+            kern = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                          key=lambda e: e.time_range.start)
+            if kern:
+                span = (kern[-1].time_range.end - kern[0].time_range.start) / 1e3
+                gaps = sorted(((b.time_range.start - a.time_range.end) / 1e3, a.name[:40], b.name[:40])
+                              for a, b in zip(kern, kern[1:]))[::-1]
+                print(f"    profiled span {span:.2f} ms, idle {sum(g for g, _, _ in gaps):.2f} ms in {len(gaps)} gaps; largest:",
+                      flush=True)
+                for g, a, b in gaps[:6]:
+                    print(f"      {g:6.3f} ms after {a} before {b}", flush=True)
 
 
 if __name__ == "__main__":
