@@ -34,6 +34,7 @@ import triton.language as tl
 
 from kprof.errors import KprofError
 from kprof.kernels._common import use_triton, via_custom_op, warn_fallback
+from kprof.kernels._math import exp_fast, fast_math
 from kprof.kernels.glu import (
     _GELU_ACT,
     SUPPORTED_DTYPES,
@@ -55,7 +56,7 @@ from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 
 
 @triton.jit
-def _gelu_fwd(g, ACT: tl.constexpr):
+def _gelu_fwd(g, ACT: tl.constexpr, FAST: tl.constexpr):
     # The forward needs no derivative, so tanh GELU takes the plain g * sigmoid(2z) = g / (1 +
     # exp(-2z)): exp overflowing to inf for g << 0 gives g / inf = -0, the right limit, and the
     # relative error stays a few ulp. act_and_grad's branch-free form (exp(-|u|) and a select,
@@ -64,9 +65,9 @@ def _gelu_fwd(g, ACT: tl.constexpr):
     # traffic, against ~28 that an SM can issue per 4 bytes at the H200's copy bandwidth).
     if ACT == 1:
         u = 1.5957691216057308 * (g + 0.044715 * g * g * g)
-        return g / (1.0 + tl.exp(-u))
+        return g / (1.0 + exp_fast(-u, FAST))
     else:
-        a, _ = act_and_grad(g, ACT)
+        a, _ = act_and_grad(g, ACT, FAST)
         return a
 
 
@@ -77,13 +78,14 @@ def _bias_gelu_fwd_kernel(
     stride_x, stride_y,  # row strides in elements; columns have stride 1
     ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN: tl.constexpr,  # n_rows % BLOCK_M == 0 and n_cols % BLOCK_N == 0: no masks
+    FAST: tl.constexpr,  # exp via ex2.approx.ftz (kprof.kernels._math); False in the interpreter
 ):  # fmt: skip
     rows, cols, mask = _tile(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N)
     r = rows[:, None]
     c = cols[None, :]
     b = _ld(b_ptr + cols, cols < n_cols, EVEN)
     x = _ld(x_ptr + r * stride_x + c, mask, EVEN)
-    _st(y_ptr + r * stride_y + c, _gelu_fwd(x + b[None, :], ACT), mask, EVEN)
+    _st(y_ptr + r * stride_y + c, _gelu_fwd(x + b[None, :], ACT, FAST), mask, EVEN)
 
 
 @triton.jit
@@ -91,7 +93,7 @@ def _bias_gelu_bwd_kernel(
     dy_ptr, x_ptr, b_ptr, dx_ptr, part_ptr,
     n_rows, n_cols,
     stride_dy, stride_x, stride_dx,
-    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
+    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
     # grid = (column blocks, groups): this program owns columns [pid_n * BLOCK_N, +BLOCK_N) and
     # row tiles pid_g, pid_g + n_groups, ...; it writes dx for them and one fp64 partial dbias row.
@@ -115,7 +117,7 @@ def _bias_gelu_bwd_kernel(
         mask = (r < n_rows) & col_mask[None, :]
         dy = _ld(dy_ptr + r * stride_dy + c, mask, EVEN)
         x = _ld(x_ptr + r * stride_x + c, mask, EVEN)
-        _, da = act_and_grad(x + b[None, :], ACT)
+        _, da = act_and_grad(x + b[None, :], ACT, FAST)
         dx = dy * da  # masked lanes: dy = 0 -> dx = 0, so they add nothing to acc
         _st(dx_ptr + r * stride_dx + c, dx, mask, EVEN)
         acc += dx.to(tl.float64)
@@ -205,7 +207,7 @@ def _fwd(x: torch.Tensor, bias: torch.Tensor, act: int) -> torch.Tensor:
     with device_ctx(x):
         _bias_gelu_fwd_kernel[grid](
             x2, b, y, n_rows, n, sx, n,
-            ACT=act, BLOCK_M=bm, BLOCK_N=bn, EVEN=n_rows % bm == 0 and n % bn == 0, num_warps=warps,
+            ACT=act, BLOCK_M=bm, BLOCK_N=bn, EVEN=n_rows % bm == 0 and n % bn == 0, FAST=fast_math(x), num_warps=warps,
         )  # fmt: skip
     return y
 
@@ -227,7 +229,7 @@ def _bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, act: int) -> tup
     with device_ctx(x):
         _bias_gelu_bwd_kernel[(n_col_blocks, n_groups)](
             dy2, x2, b, dx, partial, n_rows, n, sdy, sx, n,
-            ACT=act, BLOCK_M=bm, BLOCK_N=bn, EVEN=n_rows % bm == 0 and n % bn == 0, num_warps=warps,
+            ACT=act, BLOCK_M=bm, BLOCK_N=bn, EVEN=n_rows % bm == 0 and n % bn == 0, FAST=fast_math(x), num_warps=warps,
         )  # fmt: skip
     # Second level: a fixed-order fp64 sum over n_groups partial rows (deterministic), then one
     # rounding to bias's dtype. Partial traffic at 16384x16384: 264 groups x 16384 x 8 bytes =

@@ -39,6 +39,7 @@ import triton.language as tl
 
 from kprof.errors import KprofError
 from kprof.kernels._common import use_triton, warn_fallback
+from kprof.kernels._math import exp_fast, fast_math
 from kprof.kernels.registry import Cost, KernelSpec, register
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -67,14 +68,14 @@ def _tanh(u):
 
 @triton.jit
 def _ce_grad_block(z, t, is_y, m, p_coef, smooth_g, target_g, HAS_SMOOTHING: tl.constexpr,
-                   HAS_SOFTCAP: tl.constexpr, HAS_TARGET: tl.constexpr):
+                   HAS_SOFTCAP: tl.constexpr, HAS_TARGET: tl.constexpr, FAST: tl.constexpr):
     # d loss / d z_j = softmax_j * (1 + 2 z_loss lse) - eps/V - (1 - eps) [j == y], all times the
     # grad scale; the caller folds the scale (and 1/d, see below) into p_coef, smooth_g, target_g.
     # softmax_j = exp(z_j - m) / d rather than exp(z_j - lse): z_j - m is exact when z_j is near
     # m, while lse = m + log(d) rounds at |m|'s scale (measured: a flat fp32 row at -1e4 gave
     # softmax off by 3e-4 relative through lse). Then through the softcap: dz/dx = 1 - tanh^2.
     # HAS_TARGET False: the block holds no target column (the looped path writes that one apart).
-    g = tl.exp(z - m) * p_coef
+    g = exp_fast(z - m, FAST) * p_coef
     if HAS_SMOOTHING:
         g = g - smooth_g
     if HAS_TARGET:
@@ -111,14 +112,15 @@ def _ce_prep(raw, mask, softcap, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr
 
 
 @triton.jit
-def _ce_lse_update(x, mask, m_v, d_v, s_v, n_v, first, MASKED: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
+def _ce_lse_update(x, mask, m_v, d_v, s_v, n_v, first, MASKED: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+                   FAST: tl.constexpr):
     # Online logsumexp per group of VEC columns (one thread's vector): m_v running max, d_v =
     # sum exp(z - m_v), s_v = sum (z - m_v) (label smoothing), n_v = columns seen. The max and sums
     # are over axis 1, inside each thread: no shuffle, no barrier in the row loop. One exp per
     # column plus one per VEC columns for the rescale.
     m_new = tl.maximum(m_v, tl.max(x, 1))
     m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: exp(-inf - 0) = 0, not nan
-    d_v = d_v * tl.exp(m_v - m_sub) + tl.sum(tl.exp(x - m_sub[:, None]), 1)
+    d_v = d_v * exp_fast(m_v - m_sub, FAST) + tl.sum(exp_fast(x - m_sub[:, None], FAST), 1)
     if HAS_SMOOTHING:
         # re-base the n_v terms seen so far from m_v to m_new (none before the first block)
         s_v = tl.where(first, s_v, s_v + n_v * (m_v - m_new))
@@ -154,6 +156,7 @@ def _ce_fwd_kernel(
     SINGLE_BLOCK: tl.constexpr,  # n_cols <= BLOCK: load the row once and keep it in registers
     BLOCK: tl.constexpr,
     VEC: tl.constexpr,  # columns per thread-group in the looped path: 16 bytes of the input dtype
+    FAST: tl.constexpr,  # exp via ex2.approx.ftz (kprof.kernels._math); False in the interpreter
 ):
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
@@ -206,7 +209,7 @@ def _ce_fwd_kernel(
                     x = softcap * t
                 z = tl.where(mask, x, float("-inf"))
                 m = tl.max(z, 0)
-                d = tl.sum(tl.exp(z - m), 0)
+                d = tl.sum(exp_fast(z - m, FAST), 0)
                 s = tl.sum(tl.where(mask, x - m, 0.0), 0)
             else:
                 m_v = tl.full([G], float("-inf"), tl.float32)
@@ -221,19 +224,19 @@ def _ce_fwd_kernel(
                     for b in range(1, n_full):
                         nxt = _ce_raw(x_row, b * BLOCK + grp, None, False, "evict_last")
                         x, t = _ce_prep(raw, None, softcap, False, HAS_SOFTCAP)
-                        m_v, d_v, s_v, n_v = _ce_lse_update(x, None, m_v, d_v, s_v, n_v, b == 1, False, HAS_SMOOTHING)
+                        m_v, d_v, s_v, n_v = _ce_lse_update(x, None, m_v, d_v, s_v, n_v, b == 1, False, HAS_SMOOTHING, FAST)
                         raw = nxt
                     x, t = _ce_prep(raw, None, softcap, False, HAS_SOFTCAP)
-                    m_v, d_v, s_v, n_v = _ce_lse_update(x, None, m_v, d_v, s_v, n_v, n_full == 1, False, HAS_SMOOTHING)
+                    m_v, d_v, s_v, n_v = _ce_lse_update(x, None, m_v, d_v, s_v, n_v, n_full == 1, False, HAS_SMOOTHING, FAST)
                 if tail < n_cols:
                     offs = tail + grp
                     mask = offs < n_cols
                     x, t = _ce_prep(_ce_raw(x_row, offs, mask, True, "evict_last"), mask, softcap, True, HAS_SOFTCAP)
-                    m_v, d_v, s_v, n_v = _ce_lse_update(x, mask, m_v, d_v, s_v, n_v, n_full == 0, True, HAS_SMOOTHING)
+                    m_v, d_v, s_v, n_v = _ce_lse_update(x, mask, m_v, d_v, s_v, n_v, n_full == 0, True, HAS_SMOOTHING, FAST)
                 # the one cross-thread reduction of the row
                 m = tl.max(m_v, 0)
                 m_sub = tl.where(m == float("-inf"), 0.0, m)
-                d = tl.sum(d_v * tl.exp(m_v - m_sub), 0)
+                d = tl.sum(d_v * exp_fast(m_v - m_sub, FAST), 0)
                 if HAS_SMOOTHING:
                     s = tl.sum(tl.where(n_v > 0, s_v + n_v * (m_v - m), 0.0), 0)
                 else:
@@ -266,7 +269,7 @@ def _ce_fwd_kernel(
                     smooth_g = scale * (label_smoothing / n_cols)
                 target_g = scale * (1.0 - label_smoothing)
                 if SINGLE_BLOCK:
-                    g = _ce_grad_block(z, t, cols == y, m, p_coef, smooth_g, target_g, HAS_SMOOTHING, HAS_SOFTCAP, True)
+                    g = _ce_grad_block(z, t, cols == y, m, p_coef, smooth_g, target_g, HAS_SMOOTHING, HAS_SOFTCAP, True, FAST)
                     tl.store(g_row + cols, g.to(grad_ptr.dtype.element_ty), mask=cols < n_cols)
                 else:
                     # Backwards from the tail: the blocks pass 1 read last are still in L2 (ncu,
@@ -275,24 +278,24 @@ def _ce_fwd_kernel(
                         offs = tail + grp
                         mask = offs < n_cols
                         x, t = _ce_prep(_ce_raw(x_row, offs, mask, True, "evict_first"), mask, softcap, True, HAS_SOFTCAP)
-                        g = _ce_grad_block(x, t, None, m, p_coef, smooth_g, 0.0, HAS_SMOOTHING, HAS_SOFTCAP, False)
+                        g = _ce_grad_block(x, t, None, m, p_coef, smooth_g, 0.0, HAS_SMOOTHING, HAS_SOFTCAP, False, FAST)
                         tl.store(g_row + offs, g.to(grad_ptr.dtype.element_ty), mask=mask, cache_modifier=".cs")
                     if n_full > 0:  # pipelined like pass 1
                         raw = _ce_raw(x_row, (n_full - 1) * BLOCK + grp, None, False, "evict_first")
                         for i in range(1, n_full):
                             nxt = _ce_raw(x_row, (n_full - 1 - i) * BLOCK + grp, None, False, "evict_first")
                             x, t = _ce_prep(raw, None, softcap, False, HAS_SOFTCAP)
-                            g = _ce_grad_block(x, t, None, m, p_coef, smooth_g, 0.0, HAS_SMOOTHING, HAS_SOFTCAP, False)
+                            g = _ce_grad_block(x, t, None, m, p_coef, smooth_g, 0.0, HAS_SMOOTHING, HAS_SOFTCAP, False, FAST)
                             tl.store(g_row + (n_full - i) * BLOCK + grp, g.to(grad_ptr.dtype.element_ty), cache_modifier=".cs")
                             raw = nxt
                         x, t = _ce_prep(raw, None, softcap, False, HAS_SOFTCAP)
-                        g = _ce_grad_block(x, t, None, m, p_coef, smooth_g, 0.0, HAS_SMOOTHING, HAS_SOFTCAP, False)
+                        g = _ce_grad_block(x, t, None, m, p_coef, smooth_g, 0.0, HAS_SMOOTHING, HAS_SOFTCAP, False, FAST)
                         tl.store(g_row + grp, g.to(grad_ptr.dtype.element_ty), cache_modifier=".cs")
                     # The target column's -(1 - eps) term, written once instead of a compare and
                     # select per column. The barrier orders it after the block store of the same
                     # address by another thread of this program.
                     tl.debug_barrier()
-                    g_y = _ce_grad_block(z_y, t_y, True, m, p_coef, smooth_g, target_g, HAS_SMOOTHING, HAS_SOFTCAP, True)
+                    g_y = _ce_grad_block(z_y, t_y, True, m, p_coef, smooth_g, target_g, HAS_SMOOTHING, HAS_SOFTCAP, True, FAST)
                     tl.store(g_row + y, g_y.to(grad_ptr.dtype.element_ty))
 
 
@@ -467,6 +470,7 @@ def _ce_fwd_launch(
         SINGLE_BLOCK=cfg.single_block,
         BLOCK=cfg.block,
         VEC=min(cfg.block, 16 // logits.element_size()),
+        FAST=fast_math(logits),
         num_warps=cfg.num_warps,
     )
 

@@ -42,6 +42,7 @@ import triton.language as tl
 
 from kprof.errors import KprofError
 from kprof.kernels._common import use_triton, via_custom_op, warn_fallback
+from kprof.kernels._math import exp_fast, fast_math
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 
 # Activation codes passed to the kernels as the ACT constexpr.
@@ -59,7 +60,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _half_erfc(z):
+def _half_erfc(z, FAST: tl.constexpr):
     """0.5 * erfc(z) for z >= 0 (fp32 block), relative error ~1e-6 everywhere.
 
     Numerical Recipes in C (2nd ed., sec. 6.2, `erfcc`): erfc(z) = t * exp(-z^2 + P(t)),
@@ -79,11 +80,11 @@ def _half_erfc(z):
     p = p * t + 0.37409196
     p = p * t + 1.00002368
     p = p * t - 1.26551223
-    return 0.5 * t * tl.exp(p - z * z)
+    return 0.5 * t * exp_fast(p - z * z, FAST)
 
 
 @triton.jit
-def act_and_grad(g, ACT: tl.constexpr):
+def act_and_grad(g, ACT: tl.constexpr, FAST: tl.constexpr):
     """(act(g), act'(g)) for an fp32 block g. ACT: 0 silu, 1 gelu tanh, 2 gelu erf.
 
     Forward kernels use only the first value; the compiler drops the unused derivative.
@@ -95,10 +96,10 @@ def act_and_grad(g, ACT: tl.constexpr):
     if ACT == 2:
         # gelu(g) = g * Phi(g); gelu'(g) = Phi(g) + g * phi(g), phi(g) = exp(-g^2/2) / sqrt(2 pi).
         # Phi(g) = 0.5 * erfc(-g / sqrt(2)): h = Phi(-|g|) <= 0.5, Phi(g) = 1 - h for g >= 0.
-        h = _half_erfc(tl.abs(g) * 0.7071067811865476)
+        h = _half_erfc(tl.abs(g) * 0.7071067811865476, FAST)
         cdf = tl.where(g >= 0, 1.0 - h, h)
         a = g * cdf
-        da = cdf + g * (0.3989422804014327 * tl.exp(-0.5 * g * g))
+        da = cdf + g * (0.3989422804014327 * exp_fast(-0.5 * g * g, FAST))
     else:
         if ACT == 1:
             # tanh GELU: 0.5 * g * (1 + tanh(z)), z = sqrt(2/pi) * (g + 0.044715 g^3).
@@ -113,7 +114,7 @@ def act_and_grad(g, ACT: tl.constexpr):
             du = 1.0
         # s = sigmoid(u) and s * (1 - s) from e = exp(-|u|) <= 1 (never overflows):
         # s = 1 / (1 + e) for u >= 0, e / (1 + e) below; s * (1 - s) = e / (1 + e)^2.
-        e = tl.exp(-tl.abs(u))
+        e = exp_fast(-tl.abs(u), FAST)
         r = 1.0 / (1.0 + e)
         s = tl.where(u >= 0, r, e * r)
         a = g * s
@@ -157,7 +158,7 @@ def _glu_fwd_kernel(
     g_ptr, u_ptr, y_ptr,
     n_rows, n_cols,
     stride_g, stride_u, stride_y,  # row strides, in elements; columns have stride 1
-    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
     rows, cols, mask = _tile(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N)
     r = rows[:, None]
@@ -165,7 +166,7 @@ def _glu_fwd_kernel(
     # Upcast before any arithmetic (accuracy; and the interpreter gets bf16 arithmetic wrong).
     g = tl.load(g_ptr + r * stride_g + c, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + r * stride_u + c, mask=mask, other=0.0).to(tl.float32)
-    a, _ = act_and_grad(g, ACT)
+    a, _ = act_and_grad(g, ACT, FAST)
     tl.store(y_ptr + r * stride_y + c, (a * u).to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -174,7 +175,7 @@ def _glu_bwd_kernel(
     dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr,
     n_rows, n_cols,
     stride_dy, stride_g, stride_u, stride_dg, stride_du,
-    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
     rows, cols, mask = _tile(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N)
     r = rows[:, None]
@@ -184,7 +185,7 @@ def _glu_bwd_kernel(
     u = tl.load(u_ptr + r * stride_u + c, mask=mask, other=0.0).to(tl.float32)
     # Recompute act(gate) rather than saving it: saves one tensor of memory and 2 bytes/elem
     # of traffic (write in forward, read in backward); the math is free in a streaming kernel.
-    a, da = act_and_grad(g, ACT)
+    a, da = act_and_grad(g, ACT, FAST)
     tl.store(dg_ptr + r * stride_dg + c, (dy * u * da).to(dg_ptr.dtype.element_ty), mask=mask)
     tl.store(du_ptr + r * stride_du + c, (dy * a).to(du_ptr.dtype.element_ty), mask=mask)
 
@@ -323,7 +324,7 @@ def _launch_fwd(g, u, y, n_rows: int, n_cols: int, sg: int, su: int, sy: int, ac
     with device_ctx(y):
         _glu_fwd_kernel[grid](
             g, u, y, n_rows, n_cols, sg, su, sy,
-            ACT=act, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+            ACT=act, BLOCK_M=bm, BLOCK_N=bn, FAST=fast_math(y), num_warps=warps,
         )  # fmt: skip
 
 
@@ -332,7 +333,7 @@ def _launch_bwd(dy, g, u, dg, du, n_rows: int, n_cols: int, strides: tuple, act:
     with device_ctx(dy):
         _glu_bwd_kernel[grid](
             dy, g, u, dg, du, n_rows, n_cols, *strides,
-            ACT=act, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+            ACT=act, BLOCK_M=bm, BLOCK_N=bn, FAST=fast_math(dy), num_warps=warps,
         )  # fmt: skip
 
 

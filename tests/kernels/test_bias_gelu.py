@@ -340,3 +340,43 @@ def test_profiler_sees_custom_ops(device):
     events = {e.name: e for e in prof.events()}
     assert {"kprof::bias_gelu_fwd", "kprof::bias_gelu_bwd"} <= set(events)
     assert [list(s) for s in events["kprof::bias_gelu_fwd"].input_shapes[:2]] == [[4, 50], [50]]
+
+
+# ----- ahead-of-time compile for sm_90 (CPU CI) -----
+
+_AOT_SCRIPT = r"""
+import os
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kprof.kernels import bias_gelu as bg, glu
+
+def sig(fn):
+    return {a: ("*fp64" if a == "part_ptr" else "*bf16" if a.endswith("_ptr") else "constexpr" if a.isupper() else "i32")
+            for a in fn.arg_names}
+def attrs(fn):  # what the JIT sees for 16-byte-aligned pointers and strides
+    return {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if not a.isupper()}
+target = GPUTarget("cuda", 90, 32)
+for act in (0, 1, 2):
+    for fn, extra in ((bg._bias_gelu_fwd_kernel, {"EVEN": True}), (bg._bias_gelu_bwd_kernel, {"EVEN": False}),
+                      (glu._glu_fwd_kernel, {}), (glu._glu_bwd_kernel, {})):
+        consts = {"ACT": act, "BLOCK_M": 1, "BLOCK_N": 2048, "FAST": True, **extra}
+        triton.compile(ASTSource(fn, sig(fn), consts, attrs(fn)), target=target, options={"num_warps": 8})
+        print("compiled", fn.__name__, act)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(HAS_CUDA, reason="the GPU tests compile and run the kernels")
+def test_kernels_compile_for_sm90_with_fast_exp():
+    """The interpreter never sees the FAST (inline PTX ex2.approx.ftz) path; ptxas must accept it."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("compiled") == 12, proc.stdout

@@ -517,7 +517,7 @@ def fwd_sig(dt):
 flags = ["HAS_SMOOTHING", "HAS_Z_LOSS", "HAS_SOFTCAP", "COMPUTE_GRAD"]
 for dt, single, block, warps, on in [("bf16", True, 16384, 16, (1, 1, 1, 1)), ("bf16", False, 8192, 8, (0, 0, 0, 1)),
                                      ("fp32", False, 8192, 16, (1, 1, 1, 1)), ("fp16", False, 8192, 8, (0, 0, 0, 0))]:
-    consts = {**{f: bool(v) for f, v in zip(flags, on)}, "SINGLE_BLOCK": single, "BLOCK": block, "VEC": 4 if dt == "fp32" else 8}
+    consts = {**{f: bool(v) for f, v in zip(flags, on)}, "SINGLE_BLOCK": single, "BLOCK": block, "VEC": 4 if dt == "fp32" else 8, "FAST": True}
     triton.compile(ASTSource(ce._ce_fwd_kernel, fwd_sig(dt), consts), target=target, options={"num_warps": warps})
     print("compiled fwd", dt, consts)
 for n_cols_type in ("i32", "i64"):  # i64: a flat grad past 2^31 elements
