@@ -159,15 +159,16 @@ def _glu_fwd_kernel(
     n_rows, n_cols,
     stride_g, stride_u, stride_y,  # row strides, in elements; columns have stride 1
     ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
+    EVEN: tl.constexpr,  # every tile full (n_rows % BLOCK_M == 0, n_cols % BLOCK_N == 0): no masks
 ):  # fmt: skip
     rows, cols, mask = _tile(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N)
     r = rows[:, None]
     c = cols[None, :]
     # Upcast before any arithmetic (accuracy; and the interpreter gets bf16 arithmetic wrong).
-    g = tl.load(g_ptr + r * stride_g + c, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + r * stride_u + c, mask=mask, other=0.0).to(tl.float32)
+    g = _ld(g_ptr + r * stride_g + c, mask, EVEN)
+    u = _ld(u_ptr + r * stride_u + c, mask, EVEN)
     a, _ = act_and_grad(g, ACT, FAST)
-    tl.store(y_ptr + r * stride_y + c, (a * u).to(y_ptr.dtype.element_ty), mask=mask)
+    _st(y_ptr + r * stride_y + c, a * u, mask, EVEN)
 
 
 @triton.jit
@@ -176,18 +177,19 @@ def _glu_bwd_kernel(
     n_rows, n_cols,
     stride_dy, stride_g, stride_u, stride_dg, stride_du,
     ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
+    EVEN: tl.constexpr,  # every tile full (n_rows % BLOCK_M == 0, n_cols % BLOCK_N == 0): no masks
 ):  # fmt: skip
     rows, cols, mask = _tile(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N)
     r = rows[:, None]
     c = cols[None, :]
-    dy = tl.load(dy_ptr + r * stride_dy + c, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + r * stride_g + c, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + r * stride_u + c, mask=mask, other=0.0).to(tl.float32)
+    dy = _ld(dy_ptr + r * stride_dy + c, mask, EVEN)
+    g = _ld(g_ptr + r * stride_g + c, mask, EVEN)
+    u = _ld(u_ptr + r * stride_u + c, mask, EVEN)
     # Recompute act(gate) rather than saving it: saves one tensor of memory and 2 bytes/elem
     # of traffic (write in forward, read in backward); the math is free in a streaming kernel.
     a, da = act_and_grad(g, ACT, FAST)
-    tl.store(dg_ptr + r * stride_dg + c, (dy * u * da).to(dg_ptr.dtype.element_ty), mask=mask)
-    tl.store(du_ptr + r * stride_du + c, (dy * a).to(du_ptr.dtype.element_ty), mask=mask)
+    _st(dg_ptr + r * stride_dg + c, dy * u * da, mask, EVEN)
+    _st(du_ptr + r * stride_du + c, dy * a, mask, EVEN)
 
 
 # --------------------------------------------------------------------------------------------
@@ -324,7 +326,8 @@ def _launch_fwd(g, u, y, n_rows: int, n_cols: int, sg: int, su: int, sy: int, ac
     with device_ctx(y):
         _glu_fwd_kernel[grid](
             g, u, y, n_rows, n_cols, sg, su, sy,
-            ACT=act, BLOCK_M=bm, BLOCK_N=bn, FAST=fast_math(y), num_warps=warps,
+            ACT=act, BLOCK_M=bm, BLOCK_N=bn, FAST=fast_math(y), EVEN=n_rows % bm == 0 and n_cols % bn == 0,
+            num_warps=warps,
         )  # fmt: skip
 
 
@@ -333,7 +336,8 @@ def _launch_bwd(dy, g, u, dg, du, n_rows: int, n_cols: int, strides: tuple, act:
     with device_ctx(dy):
         _glu_bwd_kernel[grid](
             dy, g, u, dg, du, n_rows, n_cols, *strides,
-            ACT=act, BLOCK_M=bm, BLOCK_N=bn, FAST=fast_math(dy), num_warps=warps,
+            ACT=act, BLOCK_M=bm, BLOCK_N=bn, FAST=fast_math(dy), EVEN=n_rows % bm == 0 and n_cols % bn == 0,
+            num_warps=warps,
         )  # fmt: skip
 
 

@@ -360,7 +360,7 @@ def attrs(fn):  # what the JIT sees for 16-byte-aligned pointers and strides
 target = GPUTarget("cuda", 90, 32)
 for act in (0, 1, 2):
     for fn, extra in ((bg._bias_gelu_fwd_kernel, {"EVEN": True}), (bg._bias_gelu_bwd_kernel, {"EVEN": False}),
-                      (glu._glu_fwd_kernel, {}), (glu._glu_bwd_kernel, {})):
+                      (glu._glu_fwd_kernel, {"EVEN": True}), (glu._glu_bwd_kernel, {"EVEN": False})):
         consts = {"ACT": act, "BLOCK_M": 1, "BLOCK_N": 2048, "FAST": True, **extra}
         triton.compile(ASTSource(fn, sig(fn), consts, attrs(fn)), target=target, options={"num_warps": 8})
         print("compiled", fn.__name__, act)
