@@ -1055,9 +1055,11 @@ class _Session:
 
     # ------------------------------------------------------------------ result
     def _result(self, status: str, error: str | None, exit_code: int, wall: float) -> RawRun:
-        if self.cuda_run:
+        if self.cuda_run and self.peak is not None:
             label = "torch.cuda.max_memory_allocated over the recorded steps"
         else:
+            # A CPU run, or a script that never touched CUDA on a machine that has it (found on
+            # the H200: a CPU-only script reported no peak memory at all).
             label = "process peak RSS (ru_maxrss), whole run; not GPU memory"
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             self.peak = rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB on Linux

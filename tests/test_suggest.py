@@ -119,8 +119,9 @@ def _profile(tmp_path_factory, script, argv):
 
 @pytest.fixture(scope="module")
 def gpt_run(tmp_path_factory):
+    # --device cpu: these tests are about a CPU run, on a GPU machine too
     return _profile(tmp_path_factory, "gpt_train.py", ["--n-embd", "64", "--n-layer", "2", "--seq-len", "16",
-                                                       "--batch-size", "2"])
+                                                       "--batch-size", "2", "--device", "cpu"])
 
 
 @pytest.fixture(scope="module")
