@@ -610,3 +610,28 @@ def test_modules_called_while_the_compiler_traces_are_never_taken_for_roots(tmp_
     r = run_script(str(script), [], RunConfig(warmup=1, steps=1, trace_dir=str(tmp_path), on_root_module=roots.append))
     assert r.steps_recorded == 1, r.error
     assert [type(x).__name__ for x in roots] == ["Linear"] and roots[0].out_features == 1
+
+
+_CPU_ONLY = """
+import torch
+model = torch.nn.Linear(8, 8)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(12):
+    loss = model(torch.randn(4, 8, device="cpu")).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_cpu_only_script_on_a_cuda_machine_reports_rss_peak(tmp_path, monkeypatch):
+    """A script that never touches CUDA on a machine that has it: the peak is the process RSS,
+    labelled so, not missing (found on the H200: `--compare` of a CPU toy script had no peak)."""
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what the runner sees on a GPU host
+    script = tmp_path / "cpu_only.py"
+    script.write_text(_CPU_ONLY)
+    r = run_script(str(script), [], RunConfig(trace_dir=str(tmp_path), warmup=1, steps=2))
+    assert r.status == "stopped" and r.steps_recorded == 2, r.message
+    assert r.peak_memory_bytes and r.peak_memory_bytes > 10 * 2**20
+    assert "RSS" in r.peak_memory_label
