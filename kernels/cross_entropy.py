@@ -14,10 +14,13 @@ A row (128256 bf16 = 256 KB) cannot stay in one SM's registers, so each row is r
 second read came from L2 the kernel would move 4.2 GB; from HBM, 6.3 GB (1.47 ms at best). Pass 2
 walks the row backwards, so it first re-reads the blocks pass 1 read last, pass 1's loads are
 marked evict_last, pass 2's evict_first and the gradient stores streaming (.cs).
-Measured on the H200 (2026-11-29): 1.46 ms with the launch config `CEConfig.for_problem` now
-picks (a 64-config sweep), 2.47 ms with the first napkin-math one; the grid size (1-4 programs
-per SM) made no difference, which says the L2 reuse the persistent grid was meant to buy does
-not happen at this block size (DRAM bytes per launch: benchmarks/results, ncu).
+Measured on the H200 (2026-11-29, fwd+bwd GPU time): 2.47 ms for the first napkin-math launch
+config, 1.46 ms after a 64-config sweep, then 1.29 ms with the row loop below: each thread keeps
+an online max and sum for its own 16-byte vector of columns (no cross-thread reduction until the
+row's end), full blocks unmasked, the next block loaded before the current one's math, and exp as
+ex2.approx.ftz (kprof.kernels._math). ncu then: 2.39 GB read (the second pass mostly hits L2),
+2.08 GB written, 67% of DRAM peak with the top stall on load latency; one 1024-thread program per
+SM because the rows in flight must fit L2 (CEConfig).
 Rows up to `CEConfig.single_block_max` columns are loaded once and kept in registers.
 
 Semantics match `F.cross_entropy` on fp32 logits: mean over non-ignored targets (all ignored ->
