@@ -389,6 +389,7 @@ def test_profile_gpt_example_on_gpu(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_large
 def test_profile_llama_1b_on_gpu(tmp_path):
     script = REPO / "examples" / "llama_train.py"
     r = _profile_subprocess(tmp_path, script, "--warmup", "2", "--steps", "3", "--", "--preset", "1b")

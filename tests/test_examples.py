@@ -95,6 +95,7 @@ def test_gpt_example_on_gpu_bf16(capsys):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_large
 def test_llama_1b_preset_on_gpu(capsys):
     llama = _load("llama_train")
     llama.main(["--preset", "1b", "--device", "cuda", "--steps", "3", "--log-every", "1"])

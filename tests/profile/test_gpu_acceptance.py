@@ -36,6 +36,7 @@ def llama_run(tmp_path_factory):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_large
 def test_llama_coverage_at_least_95(llama_run):
     assert llama_run.summary["coverage_pct"] >= 95, llama_run.summary["coverage_pct"]
 
@@ -46,6 +47,7 @@ def _time_by_class(ops: pd.DataFrame, opnames) -> pd.Series:
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_large
 def test_llama_matmuls_compute_bound(llama_run):
     by = _time_by_class(llama_run.ops, {"aten::mm", "aten::addmm", "aten::bmm"})
     assert by.sum() > 0
@@ -54,6 +56,7 @@ def test_llama_matmuls_compute_bound(llama_run):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_large
 def test_llama_norm_softmax_elementwise_memory_bound(llama_run):
     by = _time_by_class(llama_run.ops, MEMORY_OPS)
     assert by.sum() > 0
@@ -62,6 +65,7 @@ def test_llama_norm_softmax_elementwise_memory_bound(llama_run):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_large
 def test_llama_step_time_matches_plain_cuda_event_timing(llama_run, tmp_path):
     out = tmp_path / "plain.json"
     r = subprocess.run(
