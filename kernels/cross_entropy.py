@@ -205,15 +205,10 @@ def _ce_fwd_kernel(
             # kept relative to m so that it is exact for flat rows.
             if SINGLE_BLOCK:
                 mask = cols < n_cols
-                x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-                t = x  # tanh(x / softcap) when softcapping; unused otherwise
-                if HAS_SOFTCAP:
-                    t = _tanh(x / softcap)
-                    x = softcap * t
-                z = tl.where(mask, x, float("-inf"))
+                z, t = _ce_prep(tl.load(x_row + cols, mask=mask, other=0.0), mask, softcap, True, HAS_SOFTCAP)
                 m = tl.max(z, 0)
                 d = tl.sum(exp_fast(z - m, FAST), 0)
-                s = tl.sum(tl.where(mask, x - m, 0.0), 0)
+                s = tl.sum(tl.where(mask, z - m, 0.0), 0)
             else:
                 m_v = tl.full([G], float("-inf"), tl.float32)
                 d_v = tl.zeros([G], tl.float32)
@@ -249,11 +244,7 @@ def _ce_fwd_kernel(
 
             # ---- loss = lse - (1-eps) z_y - eps mean_j z_j  (+ z_loss lse^2)
             #           = log d + (1-eps) (m - z_y) - eps s / V
-            z_y = z_y_raw.to(tl.float32)
-            t_y = z_y
-            if HAS_SOFTCAP:
-                t_y = _tanh(z_y / softcap)
-                z_y = softcap * t_y
+            z_y, t_y = _ce_prep(z_y_raw, None, softcap, False, HAS_SOFTCAP)
             if HAS_SMOOTHING:
                 loss = log_d + (1.0 - label_smoothing) * (m - z_y) - (label_smoothing / n_cols) * s
             else:

@@ -334,18 +334,17 @@ def profile_lce(chunks=(512, 2048), n: int = _N, h: int = _H, v: int = _V) -> No
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 step()
                 torch.cuda.synchronize()
+            kern = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                          key=lambda e: e.time_range.start)
             by_name: dict[str, float] = {}
-            for e in prof.events():
-                if e.device_type == torch.autograd.DeviceType.CUDA:
-                    by_name[e.name[:60]] = by_name.get(e.name[:60], 0.0) + e.device_time / 1e3
+            for e in kern:
+                by_name[e.name[:60]] = by_name.get(e.name[:60], 0.0) + e.device_time / 1e3
             busy = sum(by_name.values())
             print(f"chunk={c} grad_into_hidden={into_hidden}: {wall:.2f} ms/step (events, 5 steps), "
                   f"kernels {busy:.2f} ms, peak extra {extra:.1f} MiB (grads kept alive between steps count)", flush=True)
             for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:8]:
                 print(f"    {ms:7.2f} ms  {name}", flush=True)
             # Where the GPU sits idle inside the profiled step: the largest gaps between kernels.
-            kern = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                          key=lambda e: e.time_range.start)
             if kern:
                 span = (kern[-1].time_range.end - kern[0].time_range.start) / 1e3
                 gaps = sorted(((b.time_range.start - a.time_range.end) / 1e3, a.name[:40], b.name[:40])

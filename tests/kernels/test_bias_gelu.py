@@ -371,12 +371,8 @@ for act in (0, 1, 2):
 @pytest.mark.skipif(HAS_CUDA, reason="the GPU tests compile and run the kernels")
 def test_kernels_compile_for_sm90_with_fast_exp():
     """The interpreter never sees the FAST (inline PTX ex2.approx.ftz) path; ptxas must accept it."""
-    import os
-    import subprocess
-    import sys
+    from aot_helpers import run_aot_script
 
     pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 12, proc.stdout
+    out = run_aot_script(_AOT_SCRIPT)
+    assert out.count("compiled") == 12, out

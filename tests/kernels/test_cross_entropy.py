@@ -531,12 +531,8 @@ for n_cols_type in ("i32", "i64"):  # i64: a flat grad past 2^31 elements
 @pytest.mark.slow
 @pytest.mark.skipif(HAS_CUDA, reason="the GPU tests compile and run the kernels")
 def test_kernels_compile_for_sm90():
-    import os
-    import subprocess
-    import sys
+    from aot_helpers import run_aot_script
 
     pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 8, proc.stdout
+    out = run_aot_script(_AOT_SCRIPT)
+    assert out.count("compiled") == 8, out

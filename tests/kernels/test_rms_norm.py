@@ -477,15 +477,9 @@ for name, dtype, consts, warps in eval(sys.argv[2]):
 
 
 def aot_compile(module: str, variants: list) -> None:
-    import subprocess
-    import sys
+    from aot_helpers import run_aot_script
 
-    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-c", AOT_SCRIPT, module, repr(variants)], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == len(variants)
+    assert run_aot_script(AOT_SCRIPT, module, repr(variants)).count("compiled") == len(variants)
 
 
 @pytest.mark.slow
