@@ -380,6 +380,12 @@ class CEConfig:
         # block also held in registers, 32768 x 32 warps spills (ptxas, sm_90a: 64 registers,
         # the cap for 1024 threads), 16384 fits (63). One program per SM keeps the rows in
         # flight (132 x 256 KB) inside L2 for pass 2's re-read.
+        # Tried 2026-11-30 (`sweep-ce-h200-20261130T0100.txt`): a row-interleaved kernel, pass 2
+        # of a row block by block beside pass 1 of the program's next row (a DRAM read, an L2
+        # read and a store in flight per thread at once), measured 1.49-2.14 ms over 8 configs
+        # against this one's 1.264 ms in the same run, so it was dropped. Its L2 reuse distance
+        # is a whole row step (two rows per SM read between a block's two reads, 67 MB > L2);
+        # pass 2 walking backwards re-reads after one row per SM on average.
         return cls(16384, 32, max(1, min(n_rows, n_sm)), False)
 
 
