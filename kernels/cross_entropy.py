@@ -385,7 +385,11 @@ class CEConfig:
         # read and a store in flight per thread at once), measured 1.49-2.14 ms over 8 configs
         # against this one's 1.264 ms in the same run, so it was dropped. Its L2 reuse distance
         # is a whole row step (two rows per SM read between a block's two reads, 67 MB > L2);
-        # pass 2 walking backwards re-reads after one row per SM on average.
+        # pass 2 walking backwards re-reads after one row per SM on average. Also tried then
+        # (`sweep-ce-h200-20261130T0103.txt`): Triton's software pipeline on the row loops
+        # (tl.range num_stages 2-4: cp.async into shared memory, 48-56 registers) in place of
+        # the registers-only prefetch: 1.47 ms at best (4 stages, 96 KB of shared memory; 2
+        # stages 1.91 ms) against 1.263 ms; each pipelined iteration adds a block-wide barrier.
         return cls(16384, 32, max(1, min(n_rows, n_sm)), False)
 
 
