@@ -43,10 +43,10 @@ if has sweep; then
   timeout ${SWEEP_TIMEOUT:-200} python3 -m benchmarks.cases.loss ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.log" | tail -100
 fi
 if has glusweep; then
-  timeout ${GLUSWEEP_TIMEOUT:-150} python3 -m benchmarks.cases.glu 2>&1 | tee "$OUT/glusweep.log" | tail -45
+  timeout ${GLUSWEEP_TIMEOUT:-150} python3 -m benchmarks.cases.glu ${GLUSWEEP_ARGS:-} 2>&1 | tee "$OUT/glusweep.log" | tail -45
 fi
 if has normsweep; then
-  timeout ${NORMSWEEP_TIMEOUT:-150} python3 -m benchmarks.cases.norms 2>&1 | tee "$OUT/normsweep.log" | tail -20
+  timeout ${NORMSWEEP_TIMEOUT:-150} python3 -m benchmarks.cases.norms ${NORMSWEEP_ARGS:-} 2>&1 | tee "$OUT/normsweep.log" | tail -20
 fi
 if has ncu; then
   timeout ${NCU_TIMEOUT:-120} ncu --kernel-name regex:"${NCU_KERNELS:-_ce_fwd|_rms_norm_bwd|_layer_norm_(fwd|bwd)|_bias_gelu_bwd}" \

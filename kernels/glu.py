@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -42,7 +43,7 @@ import triton.language as tl
 
 from kprof.errors import KprofError
 from kprof.kernels._common import use_triton, via_custom_op, warn_fallback
-from kprof.kernels._math import exp_fast, fast_math
+from kprof.kernels._math import LOG2E, exp2_fast, fast_math, rcp_fast, to_f32_fast
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 
 # Activation codes passed to the kernels as the ACT constexpr.
@@ -59,28 +60,58 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # --------------------------------------------------------------------------------------------
 
 
+# Constants of the activations with log2(e) folded in, so each exp is one ex2 (`exp2_fast`)
+# with no FMUL for the scaling (ptxas, sm_90a: 1-2 instructions per element; see act_and_grad).
+_S8P = 1.5957691216057308  # 2 * sqrt(2/pi) = sqrt(8/pi): tanh GELU's sigmoid(2z) argument scale
+_SQRT_8_OVER_PI = tl.constexpr(_S8P)
+_TANH_K1 = tl.constexpr(_S8P * LOG2E.value)  # u * log2(e) = g * (K1 + K3 * g^2)
+_TANH_K3 = tl.constexpr(_S8P * 0.044715 * LOG2E.value)
+_TANH_DK3 = tl.constexpr(_S8P * 3 * 0.044715)  # u' = sqrt(8/pi) + DK3 * g^2
+# erf GELU: -g^2/2 in log2 units, plus log2(1/sqrt(2 pi)) (phi's normalization): q = g^2 * Q2 + Q0
+_ERF_Q2 = tl.constexpr(-0.5 * LOG2E.value)
+_ERF_Q0 = tl.constexpr(-0.5 * math.log2(2 * math.pi))
+# Numerical Recipes' erfc coefficients (below), times log2(e); the constant term also takes
+# log2(0.5) (h = 0.5 * erfc) and -Q0 (q carries phi's normalization, h must not).
+_ERFC_C = [c * LOG2E.value for c in (
+    -1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806,
+    0.27886807, -1.13520398, 1.48851587, -0.82215223, 0.17087277,
+)]  # fmt: skip
+_ERFC_C[0] += -1.0 - _ERF_Q0.value
+_C0, _C1, _C2, _C3, _C4, _C5, _C6, _C7, _C8, _C9 = (tl.constexpr(c) for c in _ERFC_C)
+
+
 @triton.jit
-def _half_erfc(z, FAST: tl.constexpr):
-    """0.5 * erfc(z) for z >= 0 (fp32 block), relative error ~1e-6 everywhere.
+def _gelu_erf_parts(g, FAST: tl.constexpr):
+    """(h, pdf) for an fp32 block g: h = Phi(-|g|) = 0.5 * erfc(|g| / sqrt(2)) <= 0.5 and
+    pdf = phi(g) = exp(-g^2 / 2) / sqrt(2 pi), each with relative error ~1e-6 everywhere.
 
     Numerical Recipes in C (2nd ed., sec. 6.2, `erfcc`): erfc(z) = t * exp(-z^2 + P(t)),
     t = 1 / (1 + z / 2), P a degree-9 Chebyshev fit; fractional error < 1.2e-7, to which fp32
-    evaluation adds about z^2 * 2^-24 (the rounding of -z^2 inside the exp): 8 ulp at z = 2.
+    evaluation adds about z^2 * 2^-24 (the rounding of the exponent's -z^2 term): 8 ulp at z = 2.
     Used instead of 0.5 * (1 + erf(-z)), which cancels: at g = -3 the CDF is 1.3e-3 and
     1 + erf carries erf's absolute error of ~6e-8, a relative error of 4.4e-5 (770 fp32 ulp;
     enough to flip 1.3% of bf16 roundings of geglu(erf) at g ~ 3 N(0, 1) on the H200).
+
+    With z = |g| / sqrt(2), -z^2 = -g^2 / 2 is phi's exponent too, so both exps share
+    q = g^2 * (-log2(e) / 2) + log2(1 / sqrt(2 pi)) (one FMUL, one FFMA): pdf = 2^q and
+    h = t * 2^(q + P'(t)), P' = P * log2(e) - 1 - log2(1 / sqrt(2 pi)) (the 0.5 and phi's
+    normalization folded into P's constant term). Scaling the coefficients rounds each once
+    more (2^-24 relative, < 1e-6 absolute on the exponent summed over the terms, P's terms being
+    below 2.2): the same order as the product by log2(e) that it replaces. The exponents' rounding
+    stays |q| * 2^-24 = (g^2 / 2) log2(e) 2^-24, as before.
     """
-    t = 1.0 / (1.0 + 0.5 * z)
-    p = 0.17087277 * t - 0.82215223
-    p = p * t + 1.48851587
-    p = p * t - 1.13520398
-    p = p * t + 0.27886807
-    p = p * t - 0.18628806
-    p = p * t + 0.09678418
-    p = p * t + 0.37409196
-    p = p * t + 1.00002368
-    p = p * t - 1.26551223
-    return 0.5 * t * exp_fast(p - z * z, FAST)
+    t = rcp_fast(1.0 + tl.abs(g) * 0.35355339059327373, FAST)  # 1 / (1 + z / 2)
+    p = _C9 * t + _C8
+    p = p * t + _C7
+    p = p * t + _C6
+    p = p * t + _C5
+    p = p * t + _C4
+    p = p * t + _C3
+    p = p * t + _C2
+    p = p * t + _C1
+    p = p * t + _C0
+    q = g * g * _ERF_Q2 + _ERF_Q0
+    return t * exp2_fast(p + q, FAST), exp2_fast(q, FAST)
 
 
 @triton.jit
@@ -92,57 +123,90 @@ def act_and_grad(g, ACT: tl.constexpr, FAST: tl.constexpr):
     every g: the backward of bias_gelu sums act' over all rows into dbias, where per-element
     absolute errors of ~1e-6 (what `s + g * s * (1 - s)` gives at g = 5, because 1 - s loses
     the digits of s ~ 1) added up past the fp32 tolerance at 1823 rows on the H200.
+    SASS per element of bias_gelu's backward loop (sm_90a, FAST; benchmarks/sass_count.py): see
+    the table in kernels/bias_gelu.py.
     """
     if ACT == 2:
-        # gelu(g) = g * Phi(g); gelu'(g) = Phi(g) + g * phi(g), phi(g) = exp(-g^2/2) / sqrt(2 pi).
-        # Phi(g) = 0.5 * erfc(-g / sqrt(2)): h = Phi(-|g|) <= 0.5, Phi(g) = 1 - h for g >= 0.
-        h = _half_erfc(tl.abs(g) * 0.7071067811865476, FAST)
+        # gelu(g) = g * Phi(g); gelu'(g) = Phi(g) + g * phi(g). h = Phi(-|g|) <= 0.5 and
+        # Phi(g) = 1 - h for g >= 0, so no 1 + erf cancellation on either side.
+        h, pdf = _gelu_erf_parts(g, FAST)
         cdf = tl.where(g >= 0, 1.0 - h, h)
         a = g * cdf
-        da = cdf + g * (0.3989422804014327 * exp_fast(-0.5 * g * g, FAST))
+        da = cdf + g * pdf
     else:
         if ACT == 1:
             # tanh GELU: 0.5 * g * (1 + tanh(z)), z = sqrt(2/pi) * (g + 0.044715 g^3).
-            # 0.5 * (1 + tanh(z)) == sigmoid(2z), so gelu_tanh(g) = g * sigmoid(2z): the same
-            # shape as silu, with no 1 + tanh cancellation for very negative g and no tanh
-            # (not in tl.math on Triton 3.6). 1.5957691216057308 = 2 * sqrt(2/pi);
-            # 0.134145 = 3 * 0.044715 (from d/dg of g^3).
-            u = 1.5957691216057308 * (g + 0.044715 * g * g * g)
-            du = 1.5957691216057308 * (1.0 + 0.134145 * g * g)
+            # 0.5 * (1 + tanh(z)) == sigmoid(2z), so gelu_tanh(g) = g * sigmoid(u), u = 2z: the
+            # same shape as silu, with no 1 + tanh cancellation for very negative g and no tanh
+            # (not in tl.math on Triton 3.6). u * log2(e) and u' in Horner form on g^2, the
+            # constants pre-multiplied (each rounded once to fp32: 2^-24 relative).
+            g2 = g * g
+            k = _TANH_K1 + _TANH_K3 * g2  # u * log2(e) / g > 0
+            du = _SQRT_8_OVER_PI + _TANH_DK3 * g2
         else:
-            u = g
+            k = LOG2E
             du = 1.0
-        # s = sigmoid(u) and s * (1 - s) from e = exp(-|u|) <= 1 (never overflows):
+        # s = sigmoid(u) and s * (1 - s) from e = exp(-|u|) = 2^(-|g| k) <= 1 (never overflows):
         # s = 1 / (1 + e) for u >= 0, e / (1 + e) below; s * (1 - s) = e / (1 + e)^2.
-        e = exp_fast(-tl.abs(u), FAST)
-        r = 1.0 / (1.0 + e)
-        s = tl.where(u >= 0, r, e * r)
+        # -|g| * k, not -|g * k|: k > 0, and the abs and negation are then free operand modifiers
+        # of the FMUL; on the product they cost a LOP3 per element (the inline-asm ex2 takes none).
+        e = exp2_fast(-tl.abs(g) * k, FAST)
+        r = rcp_fast(1.0 + e, FAST)
+        er = e * r
+        s = tl.where(g >= 0, r, er)
         a = g * s
         # act' = s + g * s * (1 - s) * u'
-        da = s + g * (e * r * r) * du
+        da = s + (g * du) * (er * r)
     return a, da
 
 
 @triton.jit
-def _tile(pid, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Row and column indices (int64, so offsets past 2^31 elements are safe) of program
-    `pid`'s [BLOCK_M, BLOCK_N] tile, column blocks fastest, and the in-bounds mask."""
-    n_col_blocks = tl.cdiv(n_cols, BLOCK_N)
-    pid_m = pid // n_col_blocks
-    pid_n = pid % n_col_blocks
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+def act_fwd(g, ACT: tl.constexpr, FAST: tl.constexpr):
+    """act(g) alone, for the forward kernels (glu's and bias_gelu's).
+
+    silu and tanh GELU take the plain g * sigmoid(u) = g / (1 + exp(-u)): exp overflowing to inf
+    for g << 0 gives g * rcp(inf) = -0, the right limit, and the relative error stays a few ulp.
+    act_and_grad's branch-free form (exp(-|u|) and a select, there to keep s * (1 - s) exact for
+    the derivative) costs 3 more instructions per element (FSETP, FSEL, FMUL). The forward of
+    bias_gelu is issue-bound too (4 bytes/element of traffic against ~31 instructions an SM can
+    issue per element at the H200's copy bandwidth).
+    """
+    if ACT == 2:
+        a, _ = act_and_grad(g, ACT, FAST)
+        return a
+    else:
+        if ACT == 1:
+            v = g * (_TANH_K1 + _TANH_K3 * (g * g))
+        else:
+            v = g * LOG2E
+        return g * rcp_fast(1.0 + exp2_fast(-v, FAST), FAST)
+
+
+@triton.jit
+def _tile(pid_m, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Row and column indices (int64, so offsets past 2^31 elements are safe) of the
+    [BLOCK_M, BLOCK_N] tile in row block `pid_m` and column block program_id(0), and the
+    in-bounds mask. The grid is (column blocks, row blocks <= 65535) (`StreamConfig.grid`) and
+    the kernels loop over row blocks in strides of the grid's rows (once, below 65535 of them).
+    The 1-D grid it replaces split `pid` by a runtime integer division (`pid // n_col_blocks`:
+    I2F.RP, MUFU.RCP, F2I, IMAD.HI and sign fixups, ~30 SASS instructions; sm_90a): the bias_gelu
+    forward is 16-19 instructions per program shorter with the loop, ~1.1 per element of its
+    4096-element tile (issue-bound: ~31 per element at copy bandwidth); glu's kernels, memory-bound
+    at 6-10 bytes per element, within +-12 per program."""
+    rows = tl.arange(0, BLOCK_M).to(tl.int64) + pid_m * BLOCK_M  # pid_m * BLOCK_M < n_rows: no int32 overflow
+    cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     return rows, cols, mask
 
 
 @triton.jit
-def _ld(ptrs, mask, EVEN: tl.constexpr):
-    """Load as fp32; EVEN (every tile full): no mask, so no compare and predicate per element."""
+def _ld(ptrs, mask, EVEN: tl.constexpr, FAST: tl.constexpr):
+    """Load as fp32; EVEN (every tile full): no mask, so no compare and predicate per element.
+    FAST: bf16 converted by `to_f32_fast` (2 instructions per pair of elements instead of 3)."""
     if EVEN:
-        return tl.load(ptrs).to(tl.float32)
+        return to_f32_fast(tl.load(ptrs), FAST)
     else:
-        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        return to_f32_fast(tl.load(ptrs, mask=mask, other=0.0), FAST)
 
 
 @triton.jit
@@ -161,14 +225,15 @@ def _glu_fwd_kernel(
     ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
     EVEN: tl.constexpr,  # every tile full (n_rows % BLOCK_M == 0, n_cols % BLOCK_N == 0): no masks
 ):  # fmt: skip
-    rows, cols, mask = _tile(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N)
-    r = rows[:, None]
-    c = cols[None, :]
-    # Upcast before any arithmetic (accuracy; and the interpreter gets bf16 arithmetic wrong).
-    g = _ld(g_ptr + r * stride_g + c, mask, EVEN)
-    u = _ld(u_ptr + r * stride_u + c, mask, EVEN)
-    a, _ = act_and_grad(g, ACT, FAST)
-    _st(y_ptr + r * stride_y + c, a * u, mask, EVEN)
+    # One row block per program, except past 65535 row blocks (CUDA's grid y limit): see `_tile`.
+    for pid_m in range(tl.program_id(1), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(1)):
+        rows, cols, mask = _tile(pid_m, n_rows, n_cols, BLOCK_M, BLOCK_N)
+        r = rows[:, None]
+        c = cols[None, :]
+        # Upcast before any arithmetic (accuracy; and the interpreter gets bf16 arithmetic wrong).
+        g = _ld(g_ptr + r * stride_g + c, mask, EVEN, FAST)
+        u = _ld(u_ptr + r * stride_u + c, mask, EVEN, FAST)
+        _st(y_ptr + r * stride_y + c, act_fwd(g, ACT, FAST) * u, mask, EVEN)
 
 
 @triton.jit
@@ -179,17 +244,18 @@ def _glu_bwd_kernel(
     ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
     EVEN: tl.constexpr,  # every tile full (n_rows % BLOCK_M == 0, n_cols % BLOCK_N == 0): no masks
 ):  # fmt: skip
-    rows, cols, mask = _tile(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N)
-    r = rows[:, None]
-    c = cols[None, :]
-    dy = _ld(dy_ptr + r * stride_dy + c, mask, EVEN)
-    g = _ld(g_ptr + r * stride_g + c, mask, EVEN)
-    u = _ld(u_ptr + r * stride_u + c, mask, EVEN)
-    # Recompute act(gate) rather than saving it: saves one tensor of memory and 2 bytes/elem
-    # of traffic (write in forward, read in backward); the math is free in a streaming kernel.
-    a, da = act_and_grad(g, ACT, FAST)
-    _st(dg_ptr + r * stride_dg + c, dy * u * da, mask, EVEN)
-    _st(du_ptr + r * stride_du + c, dy * a, mask, EVEN)
+    for pid_m in range(tl.program_id(1), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(1)):  # see _glu_fwd_kernel
+        rows, cols, mask = _tile(pid_m, n_rows, n_cols, BLOCK_M, BLOCK_N)
+        r = rows[:, None]
+        c = cols[None, :]
+        dy = _ld(dy_ptr + r * stride_dy + c, mask, EVEN, FAST)
+        g = _ld(g_ptr + r * stride_g + c, mask, EVEN, FAST)
+        u = _ld(u_ptr + r * stride_u + c, mask, EVEN, FAST)
+        # Recompute act(gate) rather than saving it: saves one tensor of memory and 2 bytes/elem
+        # of traffic (write in forward, read in backward); the math is free in a streaming kernel.
+        a, da = act_and_grad(g, ACT, FAST)
+        _st(dg_ptr + r * stride_dg + c, dy * u * da, mask, EVEN)
+        _st(du_ptr + r * stride_du + c, dy * a, mask, EVEN)
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,12 +294,16 @@ class StreamConfig:
         num_warps = 8 if block_m * block_n >= 4096 else 4
         return cls(block_m, block_n, num_warps)
 
-    def grid(self, n_rows: int, n_cols: int) -> tuple[int]:
-        return (triton.cdiv(n_rows, self.block_m) * triton.cdiv(n_cols, self.block_n),)
+    # CUDA's limit on grid y; a launch with more row blocks has each program walk several.
+    MAX_GRID_Y = 65535
+
+    def grid(self, n_rows: int, n_cols: int) -> tuple[int, int]:
+        """(column blocks, row blocks): see `_tile`."""
+        return (triton.cdiv(n_cols, self.block_n), min(triton.cdiv(n_rows, self.block_m), self.MAX_GRID_Y))
 
 
 @functools.lru_cache(maxsize=1024)
-def _launch_plan(n_rows: int, n_cols: int) -> tuple[tuple[int], int, int, int]:
+def _launch_plan(n_rows: int, n_cols: int) -> tuple[tuple[int, int], int, int, int]:
     """(grid, block_m, block_n, num_warps) for a streaming launch, cached on the ints."""
     cfg = StreamConfig.streaming(n_rows, n_cols)
     return cfg.grid(n_rows, n_cols), cfg.block_m, cfg.block_n, cfg.num_warps

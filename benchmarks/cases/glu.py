@@ -181,20 +181,48 @@ CASES: list[Case] = [
 
 # --- launch-config sweep for bias + GELU's backward (run on the GPU; not part of CASES) --------
 
+_BWD_KNOBS = ("BWD_TILE", "BWD_WARPS", "_PROGRAMS_PER_SM", "DBIAS_FLUSH", "BWD_MAXNREG")
+
+
+def _resident_regs(per_sm: int, warps: int) -> int | None:
+    """The register cap at which `per_sm` programs of `warps` warps share an SM's 65536
+    registers (ptxas allocates in steps of 8), or None where that is under 64 (the backward
+    needs ~60 at the default tile: a lower cap spills, so those configs run uncapped, as before)."""
+    regs = min(255, 65536 // (per_sm * warps * 32) // 8 * 8)
+    return regs if regs >= 64 else None
+
+
+def _bwd_configs() -> list[dict]:
+    """(a) tile x warps x programs per SM, each at the cap that keeps its grid resident;
+    (b) at the default tile, the dbias accumulator (DBIAS_FLUSH fp32 tiles per fp64 add; 0: the
+    old fp64 add every tile) x the register cap (None: ptxas's choice, 74-91 registers at FLUSH 16
+    for sm_90a, so 3 programs per SM)."""
+    import itertools
+
+    configs = [
+        {"BWD_TILE": tile, "BWD_WARPS": warps, "_PROGRAMS_PER_SM": per_sm, "BWD_MAXNREG": _resident_regs(per_sm, warps)}
+        for tile, warps, per_sm in itertools.product((1024, 2048, 4096), (4, 8), (4, 8, 16))
+    ]
+    configs += [{"DBIAS_FLUSH": f, "BWD_MAXNREG": r} for f in (0, 4, 8, 16, 32) for r in (None, 64)]
+    return configs
+
 
 def sweep_bias_gelu() -> list[dict]:
     """GPU kernel time (torch.profiler, host overhead excluded; `benchmarks.cases.norms.
     kernel_time_us`) of kprof's bias + GELU at the issue's shape, tanh and erf: the forward once,
-    then forward+backward over the backward's tile, warps and programs per SM
-    (kernels/bias_gelu.py BWD_TILE, BWD_WARPS, _PROGRAMS_PER_SM), each checked against the
-    default config. % of copy bandwidth from the cost model's bytes and the issue's 4.27 TB/s.
-    `python -m benchmarks.cases.glu`."""
-    import itertools
-
+    then forward+backward over the backward's launch knobs (kernels/bias_gelu.py BWD_TILE,
+    BWD_WARPS, _PROGRAMS_PER_SM, DBIAS_FLUSH, BWD_MAXNREG; `_bwd_configs`), each checked against
+    the default config; knobs a config leaves out keep their defaults. % of copy bandwidth from
+    the cost model's bytes and the issue's 4.27 TB/s. `python -m benchmarks.cases.glu`."""
     from benchmarks.cases.norms import kernel_time_us
     from kprof.kernels import registry
 
-    defaults = (_bg.BWD_TILE, _bg.BWD_WARPS, _bg._PROGRAMS_PER_SM)
+    defaults = {k: getattr(_bg, k) for k in _BWD_KNOBS}
+
+    def use(config: dict) -> None:
+        for k, v in {**defaults, **config}.items():
+            setattr(_bg, k, v)
+
     rows = []
     try:
         for problem in (_BIAS_TANH, _BIAS_ERF):
@@ -204,31 +232,82 @@ def sweep_bias_gelu() -> list[dict]:
             inputs = _bias_inputs(approx)("cuda", torch.bfloat16)
             leaves = [inputs["x"], inputs["bias"]]
             dy = torch.randn_like(inputs["x"])
-            _bg.BWD_TILE, _bg.BWD_WARPS, _bg._PROGRAMS_PER_SM = defaults
+            use({})
             ref_y = _bg.bias_gelu(**inputs)
             ref = torch.autograd.grad(ref_y, leaves, dy)
             us = kernel_time_us(lambda: _bg.bias_gelu(**inputs), [])
             print(f"bias_gelu {approx:4s} fwd {us:7.1f} us  {100 * cost['fwd'].bytes / (us * 1e-6) / _H200_COPY_BW:5.1f}% of copy BW",
                   flush=True)
-            for tile, warps, per_sm in itertools.product((1024, 2048, 4096), (4, 8), (4, 8, 16)):
-                _bg.BWD_TILE, _bg.BWD_WARPS, _bg._PROGRAMS_PER_SM = tile, warps, per_sm
+            for config in _bwd_configs():
+                use(config)
+                knobs = {k: getattr(_bg, k) for k in _BWD_KNOBS}
+                label = " ".join(f"{k.strip('_').lower()}={v}" for k, v in knobs.items())
                 try:
                     got = torch.autograd.grad(_bg.bias_gelu(**inputs), leaves, dy)
                     ok = all(bool((a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max()) for a, b in zip(got, ref))
                     us = kernel_time_us(lambda: torch.autograd.backward(_bg.bias_gelu(**inputs), dy), leaves)
                 except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result
                     ok, us = False, float("nan")
-                    print(f"  {tile} {warps} {per_sm}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    print(f"  {label}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                 pct = 100 * fb_bytes / (us * 1e-6) / _H200_COPY_BW
-                rows.append({"act": approx, "tile": tile, "warps": warps, "per_sm": per_sm, "us": us, "pct": pct, "ok": ok})
-                print(f"bias_gelu {approx:4s} fwd+bwd tile={tile:5d} warps={warps} per_sm={per_sm:2d} {us:7.1f} us "
-                      f"{pct:5.1f}% {'' if ok else 'MISMATCH'}", flush=True)
+                rows.append({"act": approx, **knobs, "us": us, "pct": pct, "ok": ok})
+                print(f"bias_gelu {approx:4s} fwd+bwd {label} {us:7.1f} us {pct:5.1f}% {'' if ok else 'MISMATCH'}", flush=True)
             inputs = leaves = dy = ref = ref_y = None
             torch.cuda.empty_cache()
     finally:
-        _bg.BWD_TILE, _bg.BWD_WARPS, _bg._PROGRAMS_PER_SM = defaults
+        use({})
+    return rows
+
+
+def sweep_glu_tiles(tiles=(1024, 2048, 4096, 8192)) -> list[dict]:
+    """GPU kernel time (torch.profiler, as sweep_bias_gelu) of kprof's SwiGLU and GeGLU(tanh)
+    fwd and fwd+bwd at the issue's 8192x11008 over the streaming tile (`glu.StreamConfig.TILE`:
+    elements per program; 8 warps from 4096 up, else 4), each checked against the default tile.
+    GeGLU's target is torch.compile's time in the same run, so compile's is measured beside it.
+    `python -m benchmarks.cases.glu glu_tiles`."""
+    from benchmarks.cases.norms import kernel_time_us
+
+    default = _glu.StreamConfig.TILE
+
+    def use(tile):
+        _glu.StreamConfig.TILE = tile
+        _glu.StreamConfig.streaming.cache_clear()
+        _glu._launch_plan.cache_clear()
+
+    rows = []
+    try:
+        for name, fn, eager, approx in (("swiglu", _glu.swiglu, _eager_swiglu, None),
+                                        ("geglu_tanh", _glu.geglu, _eager_geglu, "tanh")):
+            inputs = _glu_inputs(approx)("cuda", torch.bfloat16)
+            leaves = [inputs["gate"], inputs["up"]]
+            dy = torch.randn_like(inputs["gate"])
+            use(default)
+            ref = torch.autograd.grad(fn(**inputs), leaves, dy)
+            compiled = torch.compile(eager)
+            for mode, step in (("fwd", lambda f: f(**inputs)), ("fwd+bwd", lambda f: torch.autograd.backward(f(**inputs), dy))):
+                us = kernel_time_us(lambda: step(compiled), leaves if mode != "fwd" else [])
+                rows.append({"kernel": name, "impl": "torch.compile", "mode": mode, "tile": None, "us": us, "ok": True})
+                print(f"{name:10s} {mode:7s} torch.compile {us:7.1f} us", flush=True)
+            for tile in tiles:
+                use(tile)
+                got = torch.autograd.grad(fn(**inputs), leaves, dy)
+                ok = all(torch.equal(a, b) for a, b in zip(got, ref))  # elementwise: the tile changes no value
+                for mode, step in (("fwd", lambda f: f(**inputs)), ("fwd+bwd", lambda f: torch.autograd.backward(f(**inputs), dy))):
+                    us = kernel_time_us(lambda: step(fn), leaves if mode != "fwd" else [])
+                    rows.append({"kernel": name, "impl": "kprof", "mode": mode, "tile": tile, "us": us, "ok": ok})
+                    print(f"{name:10s} {mode:7s} kprof tile={tile:5d} {us:7.1f} us {'' if ok else 'MISMATCH'}", flush=True)
+            inputs = leaves = dy = ref = compiled = None
+            torch.cuda.empty_cache()
+    finally:
+        use(default)
     return rows
 
 
 if __name__ == "__main__":
-    sweep_bias_gelu()
+    import sys
+
+    what = sys.argv[1:] or ["bias_gelu"]
+    if "bias_gelu" in what:
+        sweep_bias_gelu()
+    if "glu_tiles" in what:
+        sweep_glu_tiles()

@@ -7,6 +7,7 @@ come from the one table in kprof.kernels._common.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -142,6 +143,42 @@ def test_dbias_many_row_tiles_per_group(dtype, device):
     _check(x, b, dy, "none")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("flush", [0, 3, None], ids=["fp64-every-tile", "flush3", "default"])
+@pytest.mark.parametrize("n_cols", [2048, 2047, 600], ids=["even", "masked", "two-row-tiles"])
+def test_dbias_flush_groups(n_cols, flush, dtype, monkeypatch, device):
+    """The hybrid dbias accumulator (FLUSH tiles in fp32, then fp64): every program walks more
+    than FLUSH row tiles and stops inside a flush group (the inner loop's bound; on the EVEN path
+    a tile past n_rows would be read unmasked), on the unmasked path, the masked one and with two
+    rows per tile; FLUSH=0 is the fp64-every-tile loop. The launcher gives fp32 inputs FLUSH=0
+    (`_dbias_flush`); here fp32 takes the flush path too, so `_check`'s fp32 comparison of dbias
+    with the exact sum of dx checks its bookkeeping (a tile skipped or added twice is off by
+    ~1) at the fp32 tolerance; chains of <= 16 tiles of <= 528 rows stay far inside it."""
+    if flush is not None:
+        monkeypatch.setattr(bg, "DBIAS_FLUSH", flush)
+    monkeypatch.setattr(bg, "_dbias_flush", lambda dtype: bg.DBIAS_FLUSH)
+    f = bg.DBIAS_FLUSH
+    bm, bn, _ = bg._bwd_plan(1 << 20, n_cols)
+    per_program = 2 * max(f, 1) + 1  # row tiles each program walks: two full groups and one more
+    n_rows = bm * 16 * per_program - (bm > 1)  # 16 groups below; odd rows: a masked last tile
+    torch.manual_seed(9)
+    x, b, dy = _inputs((n_rows, n_cols), dtype, device)
+    n_row_tiles = triton.cdiv(n_rows, bm)
+    n_groups = bg._n_groups(x, n_row_tiles, triton.cdiv(n_cols, bn))
+    assert bg._bwd_plan(n_rows, n_cols)[:2] == (bm, bn) and n_groups == 16
+    assert (n_rows % bm == 0 and n_cols % bn == 0) == (n_cols == 2048)  # EVEN only for 2048 columns
+    walked = [len(range(g, n_row_tiles, n_groups)) for g in range(n_groups)]
+    assert min(walked) > f and all(w % max(f, 1) for w in walked) or f == 0
+    _check(x, b, dy, "tanh")
+
+
+def test_dbias_flush_by_dtype():
+    """fp32 inputs keep the fp64 add per tile (fp32 blocks of any FLUSH > 1 use 0.4-1.1 of the
+    fp32 tolerance at 20000 rows, simulated; see `_dbias_flush`); 16-bit inputs flush."""
+    assert bg._dbias_flush(torch.float32) == 0
+    assert bg._dbias_flush(torch.bfloat16) == bg._dbias_flush(torch.float16) == bg.DBIAS_FLUSH > 1
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("approximate", APPROX)
 @pytest.mark.parametrize("shape", [(64, 64), (8, 2048), (16, 8192)], ids=["one-tile", "tile-rows", "col-blocks"])
@@ -152,6 +189,19 @@ def test_even_tiles_unmasked_path(shape, approximate, dtype, device):
     g = torch.Generator().manual_seed(1)
     x, b, dy = (torch.randn(s, generator=g).to(device, dtype) for s in (shape, shape[-1:], shape))
     _check(x, b, dy, approximate)
+
+
+@pytest.mark.parametrize("shape", [(37, 781), (64, 1024)], ids=["masked", "even"])
+def test_forward_row_blocks_past_grid_y(shape, monkeypatch, device):
+    """The forward's grid is (column blocks, row blocks <= StreamConfig.MAX_GRID_Y); past it each
+    program walks several row blocks. MAX_GRID_Y 3 here (CUDA's limit is 65535)."""
+    monkeypatch.setattr(StreamConfig, "MAX_GRID_Y", 3)
+    monkeypatch.setattr(bg, "_launch_plan", functools.lru_cache(bg._launch_plan.__wrapped__))  # fresh cache
+    cfg = StreamConfig.streaming(*shape)
+    n_row_blocks = triton.cdiv(shape[0], cfg.block_m)
+    assert bg._launch_plan(*shape)[0][1] == 3 < n_row_blocks and n_row_blocks % 3
+    torch.manual_seed(11)
+    _check(*_inputs(shape, torch.float32, device), "none")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -345,7 +395,7 @@ def test_profiler_sees_custom_ops(device):
 # ----- ahead-of-time compile for sm_90 (CPU CI) -----
 
 _AOT_SCRIPT = r"""
-import os
+import os, re, subprocess, tempfile
 os.environ.pop("TRITON_INTERPRET", None)
 import triton
 from triton.backends.compiler import GPUTarget
@@ -358,21 +408,32 @@ def sig(fn):
 def attrs(fn):  # what the JIT sees for 16-byte-aligned pointers and strides
     return {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if not a.isupper()}
 target = GPUTarget("cuda", 90, 32)
+bwd = {"FLUSH": bg.DBIAS_FLUSH}
 for act in (0, 1, 2):
-    for fn, extra in ((bg._bias_gelu_fwd_kernel, {"EVEN": True}), (bg._bias_gelu_bwd_kernel, {"EVEN": False}),
+    for fn, extra in ((bg._bias_gelu_fwd_kernel, {"EVEN": True}), (bg._bias_gelu_bwd_kernel, {"EVEN": False, **bwd}),
+                      (bg._bias_gelu_bwd_kernel, {"EVEN": True, **bwd}), (bg._bias_gelu_bwd_kernel, {"EVEN": True, "FLUSH": 0}),
                       (glu._glu_fwd_kernel, {"EVEN": True}), (glu._glu_bwd_kernel, {"EVEN": False})):
         consts = {"ACT": act, "BLOCK_M": 1, "BLOCK_N": 2048, "FAST": True, **extra}
-        triton.compile(ASTSource(fn, sig(fn), consts, attrs(fn)), target=target, options={"num_warps": 8})
-        print("compiled", fn.__name__, act)
+        options = {"num_warps": 8, **({"maxnreg": bg.BWD_MAXNREG} if "FLUSH" in extra else {})}
+        k = triton.compile(ASTSource(fn, sig(fn), consts, attrs(fn)), target=target, options=options)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:  # ptxas's registers and spills
+            f.write(k.asm["cubin"])
+            f.flush()
+            res = subprocess.run([os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump"),
+                                  "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        print("compiled", fn.__name__, act, extra, re.search(r"REG:\d+", res).group(0), re.search(r"LOCAL:\d+", res).group(0))
 """
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(HAS_CUDA, reason="the GPU tests compile and run the kernels")
 def test_kernels_compile_for_sm90_with_fast_exp():
-    """The interpreter never sees the FAST (inline PTX ex2.approx.ftz) path; ptxas must accept it."""
+    """The interpreter never sees the FAST (inline PTX ex2/rcp.approx.ftz) path; ptxas must accept
+    it. The backward runs under a register cap (BWD_MAXNREG, so 4 programs fit an SM): it must
+    not spill to local memory at the default tile."""
     from aot_helpers import run_aot_script
 
     pytest.importorskip("triton.backends.nvidia")
     out = run_aot_script(_AOT_SCRIPT)
-    assert out.count("compiled") == 12, out
+    assert out.count("compiled") == 18, out
+    assert out.count("LOCAL:0") == 18, out

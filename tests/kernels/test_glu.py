@@ -19,11 +19,14 @@ import warnings
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kprof.errors import KprofError
 from kprof.kernels import _common, glu, registry
+from kprof.kernels._math import exp2_fast, rcp_fast, to_f32_fast
 from kprof.kernels._common import assert_close
 from kprof.kernels.registry import Cost, TensorMeta
 
@@ -247,6 +250,58 @@ def test_extreme_gate_values(form, dtype, device):
     y, grads = _run(form[1], [g, u], dy, **form[4])
     assert torch.isfinite(y).all() and all(torch.isfinite(t).all() for t in grads)
     _check(form, [g, u], dy)
+
+
+@triton.jit
+def _math_fallbacks_kernel(x_ptr, h_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(x_ptr + offs)
+    tl.store(out_ptr + offs, rcp_fast(x, False))
+    tl.store(out_ptr + N + offs, exp2_fast(x, False))
+    tl.store(out_ptr + 2 * N + offs, to_f32_fast(tl.load(h_ptr + offs), False))
+
+
+def test_math_fallbacks(device):
+    """kprof.kernels._math's helpers without FAST (the interpreter's path; the GPU's inline PTX
+    is compiled by the AOT tests and checked end to end by the GPU tests): 1 / x, 2^x and the
+    bf16 -> fp32 widening, against torch in fp32. (No bf16 subnormals: the Triton 3.9
+    interpreter's own bf16 -> fp32 conversion flushes them to 0; the GPU's shift keeps them.)"""
+    x = torch.tensor([1.0, 1.5, 2.0, 3.0, 1e3, 1e30, float("inf"), -4.0], device=device)
+    h = torch.tensor([1.0, -2.5, 3.1e38, 1e-30, 0.0, -0.0, float("inf"), 0.1], device=device).to(torch.bfloat16)
+    out = torch.empty(3 * x.numel(), device=device)
+    _math_fallbacks_kernel[(1,)](x, h, out, N=x.numel())
+    rcp, exp2, wide = out.view(3, -1)
+    torch.testing.assert_close(rcp, 1.0 / x, rtol=2**-23, atol=0)
+    torch.testing.assert_close(exp2, torch.exp2(x), rtol=2**-22, atol=0)
+    torch.testing.assert_close(wide, h.float(), rtol=0, atol=0)
+
+
+@pytest.fixture
+def small_grid_y(monkeypatch):
+    """StreamConfig.MAX_GRID_Y (CUDA's 65535) set to 3, so a launch has more row blocks than grid
+    rows and each program walks several (the kernels' row-block loop); launch plans re-made."""
+    monkeypatch.setattr(glu.StreamConfig, "MAX_GRID_Y", 3)
+    glu._launch_plan.cache_clear()
+    yield
+    glu._launch_plan.cache_clear()
+
+
+@pytest.mark.parametrize("shape", [(37, 781), (64, 1024)], ids=["masked", "even"])
+@pytest.mark.parametrize("form", [FORMS[0], FORMS[5]], ids=[FORM_IDS[0], FORM_IDS[5]])
+def test_row_blocks_past_grid_y(form, shape, small_grid_y, device):
+    """Row-tiled launches (packed halves; separate inputs in column-major layout, which the
+    launcher copies to rows: contiguous ones launch as one flat row) with more row blocks than
+    the grid has rows. (Not row slices of wider tensors: `_run`'s clone makes those contiguous.)"""
+    cfg = glu.StreamConfig.streaming(*shape)
+    n_row_blocks = math.ceil(shape[0] / cfg.block_m)
+    assert cfg.grid(*shape)[1] == 3 < n_row_blocks and n_row_blocks % 3  # a partial last stride
+    torch.manual_seed(10)
+    if form[3]:
+        inputs = _make_inputs(shape, torch.float32, device, packed=True)
+    else:
+        inputs = [t.t().contiguous().t() for t in _make_inputs(shape, torch.float32, device, False)]
+        assert not inputs[0].clone().is_contiguous()
+    _check(form, inputs, torch.randn(shape, device=device))
 
 
 @pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
