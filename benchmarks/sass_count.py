@@ -7,15 +7,15 @@ can issue ~47 instructions per element of a 6-byte/element kernel (bf16 backward
 write dx) and ~31 per element of a 4-byte one (forward: read x, write y).
 
     python -m benchmarks.sass_count                       # the table: bias_gelu and glu, ACT 0/1/2
-    python -m benchmarks.sass_count --kernels bg_bwd --act 2 --set FLUSH=0 --dump /tmp/sass
+    python -m benchmarks.sass_count --kernels bg_bwd --act 2 --set maxnreg=None --dump /tmp/sass
 
 For each kernel: registers, local-memory (spill) bytes, total SASS instructions (NOPs left out)
 and, for each loop (a backward branch), the instructions from its head to its branch. `loop/elem`:
 the per-row-step cost over the elements a thread handles per step (BLOCK_M * BLOCK_N /
 (32 * num_warps)), what a persistent kernel (bias_gelu's backward) pays per element; with nested
-loops the outer loop's own instructions are spread over FLUSH inner steps. `total/elem`: the whole
-kernel over the same elements, what a one-tile-per-program kernel (the forwards) pays. Compiled
-with the launchers' defaults for bf16 (bias_gelu's DBIAS_FLUSH and BWD_MAXNREG). Run it in a
+loops, the innermost one's. `total/elem`: the whole kernel over the same elements, what a
+one-tile-per-program kernel (the forwards) pays. Compiled with the launchers' defaults for bf16
+(bias_gelu's BWD_MAXNREG). Run it in a
 fresh Python WITHOUT TRITON_INTERPRET (it removes the variable itself, before importing triton).
 """
 
@@ -157,9 +157,6 @@ def _resolve(name: str, act: int, overrides: dict):
     module = importlib.import_module(mod)
     fn = getattr(module, fn_name)
     consts = {"ACT": act, "FAST": True, **consts}
-    for knob, attr in _MODULE_KNOBS.items():  # launcher-supplied constexprs: the module default
-        if knob in fn.arg_names and hasattr(module, attr):
-            consts[knob] = getattr(module, attr)
     maxnreg = getattr(module, _MAXNREG[name]) if name in _MAXNREG else None
     for k, v in overrides.items():
         if k == "num_warps":
@@ -173,8 +170,6 @@ def _resolve(name: str, act: int, overrides: dict):
     return fn, consts, warps, maxnreg
 
 
-# constexprs the launchers fill from a module-level default for bf16 (swept by benchmarks.cases.glu)
-_MODULE_KNOBS = {"FLUSH": "DBIAS_FLUSH"}
 # kernels launched with a register cap: the module attribute that holds it
 _MAXNREG = {"bg_bwd": "BWD_MAXNREG"}
 
@@ -191,12 +186,7 @@ def measure(name: str, act: int, overrides: dict | None = None, dump: str | None
     loops = s.loops()
     per_thread = consts["BLOCK_M"] * consts["BLOCK_N"] / (32 * warps)
     bodies = [b - a + 1 for a, b in loops]
-    if not loops:
-        step = s.total
-    elif len(loops) == 1:
-        step = bodies[0]
-    else:  # an outer loop around an inner one: the outer's own work is paid once per FLUSH steps
-        step = bodies[-1] + (bodies[0] - bodies[-1]) / max(int(consts.get("FLUSH") or 1), 1)
+    step = bodies[-1] if loops else s.total
     inner = loops[-1] if loops else (0, len(s.lines) - 1)
     return {
         "kernel": name, "act": act, "regs": regs, "spills": local, "total": s.total,
@@ -214,7 +204,7 @@ def main() -> None:
     p.add_argument("--kernels", default=",".join(KERNELS), help=f"comma list of {sorted(KERNELS)}")
     p.add_argument("--act", default="0,1,2", help="ACT values: 0 silu, 1 gelu tanh, 2 gelu erf")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="override constexprs (e.g. FLUSH=0, EVEN=False), num_warps or maxnreg")
+                   help="override constexprs (e.g. EVEN=False), num_warps or maxnreg")
     p.add_argument("--dump", help="write each kernel's SASS to DIR/<kernel>_act<act>.sass")
     p.add_argument("--ops", action="store_true", help="print the innermost loop's opcode histogram")
     a = p.parse_args()

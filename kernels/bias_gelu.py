@@ -7,9 +7,8 @@ forward reads x and writes y (2 passes; the bias is N elements); backward reads 
 recomputes gelu'(x + bias) and writes dx (3 passes), and sums dbias on the fly.
 
 dbias = sum over rows of dx: each program of a persistent grid (_PROGRAMS_PER_SM per SM) owns one
-column block and a strided set of row tiles, accumulates in registers (fp64, fed by fp32 sums of
-DBIAS_FLUSH tiles for 16-bit inputs: `_dbias_flush`) and writes one partial row to an fp64
-[n_groups, N] buffer; `partial.sum(0)` (fp64) finishes and rounds once to bias's dtype. No
+column block and a strided set of row tiles, accumulates in fp64 registers and writes one
+partial row to an fp64 [n_groups, N] buffer; `partial.sum(0)` (fp64) finishes and rounds once to bias's dtype. No
 atomics, so the result is bitwise run-to-run deterministic. Partial-buffer traffic at
 16384x16384 bf16 on an H200 (2048-column backward tiles): 8 column blocks x 66 groups ->
 66 x 16384 fp64 = 8.7 MB written and read back, 0.5% of the backward's 1.61 GB stream.
@@ -24,19 +23,20 @@ H200, bf16, FAST, EVEN; backward: row-loop body / 8 elements per thread, BLOCK_N
 forward: whole kernel / 16 elements per thread, BLOCK_N 4096, 8 warps):
                       silu         gelu tanh     gelu erf    registers (bwd)
     backward before   24.8         32.8          43.0        58-59
-    backward now      18.2         22.5          28.6        62-64 (cap 64: BWD_MAXNREG)
+    backward now      17.4         22.4          28.8        61-64 (cap 64: BWD_MAXNREG)
     forward before    20.8         20.6          35.8
     forward now       11.6         13.6          25.8
 From: 1 / x as rcp.approx.ftz (`rcp_fast`, -4 per division), log2(e) and the constants folded
 into the exps' arguments (`exp2_fast`; erf: both exps share g^2), bf16 loads widened by shift and
 mask (`to_f32_fast`, -1 per element per tensor), pointers advanced per tile instead of an int64
-r * stride per tile (backward), fp32 blocks of DBIAS_FLUSH tiles per fp64 add (backward, 16-bit
-inputs: -0.5 to -1.25; the fp32 path's loop is 147 / 187 / 230 per 8), the forward's grid 2-D
-instead of a runtime pid // n_col_blocks (`glu._tile`, -16 to -19 per program).
+r * stride per tile (backward), the forward's grid 2-D instead of a runtime pid // n_col_blocks
+(`glu._tile`, -16 to -19 per program). ("backward now": Triton 3.9; 3.6 within 1 per element.)
+Measured on the H200 (2026-11-30 01:22, `glusweep-h200-20261130T0122.txt`, GPU kernel time of
+fwd+bwd at 16384x16384 bf16): tanh 730 -> 660 us (95% of copy bandwidth), erf 891 -> 769 us (82%);
+forward tanh 262 us (96%), erf 290 us (87%).
 
 Numerics: x + bias and GELU computed in fp32 and rounded once (eager rounds x + bias to the
-input dtype first); dbias is summed from the unrounded fp32 dx (in fp64, or in fp32 blocks of
-DBIAS_FLUSH tiles added in fp64). The activation math is the shared `act_and_grad` from
+input dtype first); dbias is summed in fp64 from the unrounded fp32 dx. The activation math is the shared `act_and_grad` from
 `kprof.kernels.glu`.
 """
 
@@ -111,7 +111,6 @@ def _bias_gelu_bwd_kernel(
     n_rows, n_cols,
     stride_dy, stride_x, stride_dx,
     ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, FAST: tl.constexpr,
-    FLUSH: tl.constexpr,  # row tiles summed in fp32 per fp64 add (`_dbias_flush`); 0: fp64 every tile
 ):  # fmt: skip
     # grid = (column blocks, groups): this program owns columns [pid_n * BLOCK_N, +BLOCK_N) and
     # row tiles pid_g, pid_g + n_groups, ... (n_mine of them); it writes dx for them and one fp64
@@ -142,39 +141,21 @@ def _bias_gelu_bwd_kernel(
     dy_row = dy_ptr + first * stride_dy
     x_row = x_ptr + first * stride_x
     dx_row = dx_ptr + first * stride_dx
-    # dbias: fp64 accumulator (a plain fp32 one walking 20000 rows, H200 test, 4097 columns,
-    # drifted past the fp32 tolerance on columns whose dbias is near 0: the error grows with the
-    # row count, not with |dbias|). FLUSH > 0 (16-bit inputs, `_dbias_flush`): sum FLUSH
-    # consecutive tiles of this program in fp32, then add that block into fp64: the per-element
-    # F2F.F64.F32 + DADD (2 SASS instructions per element per tile; fp64 is half-rate on the
-    # H100/H200, 1/64 on consumer GPUs) is paid once per FLUSH tiles, one FADD per element
-    # instead. Not reduced over the tile's rows before the fp64 add: at BLOCK_M = 1 (rows of
-    # >= 2048 columns, the issue's shape) there is nothing to reduce, and at BLOCK_M > 1 an fp32
-    # sum over BLOCK_M * FLUSH rows (up to 2048 * FLUSH at one column) would lengthen the fp32
-    # chains that set the error (see `_dbias_flush`).
+    # dbias: fp64 accumulator. A plain fp32 one walking 20000 rows (H200 test, 4097 columns)
+    # drifted past the fp32 tolerance on columns whose dbias is near 0 (the error grows with the
+    # row count, not with |dbias|). Also measured on the H200 (2026-11-30, `glusweep-h200-
+    # 20261130T0122.txt`, 16384x16384 bf16 fwd+bwd): fp32 blocks of 4-32 tiles added into fp64
+    # (one FADD per element instead of F2F.F64.F32 + DADD) ran 722-756 us (tanh) against 660 us
+    # for the fp64 add every tile, and erf alike within 1%, so the plain fp64 loop stays.
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float64)
-    if FLUSH == 0:
-        for _k in range(0, n_mine):
-            mask = (row0 + m < n_rows) & col_mask[None, :]
-            dx = _bwd_tile(dy_row + off_dy, x_row + off_x, dx_row + off_dx, b, mask, ACT, EVEN, FAST)
-            acc += dx.to(tl.float64)
-            dy_row += step_dy
-            x_row += step_x
-            dx_row += step_dx
-            row0 += step
-    else:
-        for k0 in range(0, n_mine, FLUSH):
-            blk = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            # The inner bound stops at this program's last tile: on the EVEN path nothing masks
-            # a load, so a tile past n_rows must never be visited (the partial last block).
-            for _k in range(k0, tl.minimum(k0 + FLUSH, n_mine)):
-                mask = (row0 + m < n_rows) & col_mask[None, :]
-                blk += _bwd_tile(dy_row + off_dy, x_row + off_x, dx_row + off_dx, b, mask, ACT, EVEN, FAST)
-                dy_row += step_dy
-                x_row += step_x
-                dx_row += step_dx
-                row0 += step
-            acc += blk.to(tl.float64)
+    for _k in range(0, n_mine):
+        mask = (row0 + m < n_rows) & col_mask[None, :]
+        dx = _bwd_tile(dy_row + off_dy, x_row + off_x, dx_row + off_dx, b, mask, ACT, EVEN, FAST)
+        acc += dx.to(tl.float64)
+        dy_row += step_dy
+        x_row += step_x
+        dx_row += step_dx
+        row0 += step
     tl.store(part_ptr + pid_g.to(tl.int64) * n_cols + cols, tl.sum(acc, axis=0), mask=col_mask)
 
 
@@ -194,32 +175,12 @@ _INTERPRETER_SMS = 4
 # 2026-11-29: 98 registers, 25% occupancy at the default). Swept by benchmarks.cases.glu.
 BWD_TILE: int | None = 2048
 BWD_WARPS: int | None = 8
-# Row tiles of a backward program summed in fp32 before each add into its fp64 dbias accumulator
-# (the kernel's FLUSH) for 16-bit inputs; 0: convert and add in fp64 every tile. Swept by
-# benchmarks.cases.glu. fp32 inputs always take 0: see `_dbias_flush`.
-DBIAS_FLUSH = 16
 # Register cap for the backward (ptxas .maxnreg; None: ptxas's choice). 65536 registers per SM /
 # (_PROGRAMS_PER_SM 4 x 8 warps x 32 threads) = 64, so every program of the persistent grid is
-# resident at once. Uncapped, ptxas gave the FLUSH loop up to 93 registers (sm_90a, Triton 3.6:
-# silu 57, tanh 93, erf 80): 3 programs per SM and a second wave for the fourth. Capped at 64: no
-# spills, loop bodies within 1 instruction of the uncapped ones (benchmarks/sass_count.py
-# --set maxnreg=None to compare).
+# resident at once (an uncapped kernel over 64 registers runs 3 programs per SM and a second wave
+# for the fourth). Capped at 64: no spills at the default tile (the sm_90 compile test checks).
+# H200 sweep (2026-11-30): erf fwd+bwd 780 -> 769 us with the cap, tanh 660 either way.
 BWD_MAXNREG: int | None = 64
-
-
-def _dbias_flush(dtype: torch.dtype) -> int:
-    """The kernel's FLUSH for inputs of `dtype`: DBIAS_FLUSH for bf16/fp16, 0 for fp32.
-
-    The fp32 blocks add rounding error: each of the N / FLUSH block sums of a column carries
-    ~2^-24 / sqrt(3) * sqrt(sum_j S_j^2) with partial sums S_j ~ sqrt(j) * std(dx), so the column's
-    error grows like sqrt(N * FLUSH / 2) * 3.4e-8 * std(dx). Simulated for the GPU test's fp32 data
-    (20000 x 4097, dx ~ 0.7 N(0, 1); numpy, sequential fp32 blocks, fp64 across blocks), against
-    the exact sum of the fp32 dx that the test compares with (atol 1e-5, rtol 2e-5):
-    max err / tol 0.39 at FLUSH 2, 0.60 at 8, 0.88 at 16, 1.06 at 32 (3.1 for the old per-program
-    fp32 chains of ~78 tiles). No FLUSH > 1 leaves the fp32 table the margin fp64 has (0.00), so
-    fp32 keeps the fp64 add per tile. For bf16/fp16 dbias the same error (std 7.7e-6 at FLUSH 16)
-    is 1000x below the tolerance (atol 1e-2 / 1e-3) and below half an ulp of the result."""
-    return 0 if dtype == torch.float32 else DBIAS_FLUSH
 
 
 def _bwd_plan(n_rows: int, n_cols: int) -> tuple[int, int, int]:
@@ -310,7 +271,7 @@ def _bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, act: int) -> tup
         _bias_gelu_bwd_kernel[(n_col_blocks, n_groups)](
             dy2, x2, b, dx, partial, n_rows, n, sdy, sx, n,
             ACT=act, BLOCK_M=bm, BLOCK_N=bn, EVEN=n_rows % bm == 0 and n % bn == 0, FAST=fast_math(x),
-            FLUSH=_dbias_flush(x.dtype), num_warps=warps, maxnreg=BWD_MAXNREG,
+            num_warps=warps, maxnreg=BWD_MAXNREG,
         )  # fmt: skip
     # Second level: a fixed-order fp64 sum over n_groups partial rows (deterministic), then one
     # rounding to bias's dtype. Partial traffic at 16384x16384 bf16: 66 groups x 16384 x 8 bytes =

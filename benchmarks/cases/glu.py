@@ -181,7 +181,7 @@ CASES: list[Case] = [
 
 # --- launch-config sweep for bias + GELU's backward (run on the GPU; not part of CASES) --------
 
-_BWD_KNOBS = ("BWD_TILE", "BWD_WARPS", "_PROGRAMS_PER_SM", "DBIAS_FLUSH", "BWD_MAXNREG")
+_BWD_KNOBS = ("BWD_TILE", "BWD_WARPS", "_PROGRAMS_PER_SM", "BWD_MAXNREG")
 
 
 def _resident_regs(per_sm: int, warps: int) -> int | None:
@@ -194,16 +194,15 @@ def _resident_regs(per_sm: int, warps: int) -> int | None:
 
 def _bwd_configs() -> list[dict]:
     """(a) tile x warps x programs per SM, each at the cap that keeps its grid resident;
-    (b) at the default tile, the dbias accumulator (DBIAS_FLUSH fp32 tiles per fp64 add; 0: the
-    old fp64 add every tile) x the register cap (None: ptxas's choice, 74-91 registers at FLUSH 16
-    for sm_90a, so 3 programs per SM)."""
+    (b) the default tile without the register cap. (2026-11-30 01:22 also swept fp32 blocks of
+    4-32 tiles per fp64 dbias add: slower for tanh, equal for erf; removed.)"""
     import itertools
 
     configs = [
         {"BWD_TILE": tile, "BWD_WARPS": warps, "_PROGRAMS_PER_SM": per_sm, "BWD_MAXNREG": _resident_regs(per_sm, warps)}
         for tile, warps, per_sm in itertools.product((1024, 2048, 4096), (4, 8), (4, 8, 16))
     ]
-    configs += [{"DBIAS_FLUSH": f, "BWD_MAXNREG": r} for f in (0, 4, 8, 16, 32) for r in (None, 64)]
+    configs += [{"BWD_MAXNREG": None}]
     return configs
 
 
@@ -211,7 +210,7 @@ def sweep_bias_gelu() -> list[dict]:
     """GPU kernel time (torch.profiler, host overhead excluded; `benchmarks.cases.norms.
     kernel_time_us`) of kprof's bias + GELU at the issue's shape, tanh and erf: the forward once,
     then forward+backward over the backward's launch knobs (kernels/bias_gelu.py BWD_TILE,
-    BWD_WARPS, _PROGRAMS_PER_SM, DBIAS_FLUSH, BWD_MAXNREG; `_bwd_configs`), each checked against
+    BWD_WARPS, _PROGRAMS_PER_SM, BWD_MAXNREG; `_bwd_configs`), each checked against
     the default config; knobs a config leaves out keep their defaults. % of copy bandwidth from
     the cost model's bytes and the issue's 4.27 TB/s. `python -m benchmarks.cases.glu`."""
     from benchmarks.cases.norms import kernel_time_us
@@ -261,18 +260,16 @@ def sweep_bias_gelu() -> list[dict]:
 
 def sweep_glu_tiles(tiles=(1024, 2048, 4096, 8192)) -> list[dict]:
     """GPU kernel time (torch.profiler, as sweep_bias_gelu) of kprof's SwiGLU and GeGLU(tanh)
-    fwd and fwd+bwd at the issue's 8192x11008 over the streaming tile (`glu.StreamConfig.TILE`:
-    elements per program; 8 warps from 4096 up, else 4), each checked against the default tile.
+    fwd and fwd+bwd at the issue's 8192x11008 over the streaming tile (`glu.GLU_TILE`: elements
+    per program; 8 warps from 4096 up, else 4), each checked against the default tile.
     GeGLU's target is torch.compile's time in the same run, so compile's is measured beside it.
     `python -m benchmarks.cases.glu glu_tiles`."""
     from benchmarks.cases.norms import kernel_time_us
 
-    default = _glu.StreamConfig.TILE
+    default = _glu.GLU_TILE
 
     def use(tile):
-        _glu.StreamConfig.TILE = tile
-        _glu.StreamConfig.streaming.cache_clear()
-        _glu._launch_plan.cache_clear()
+        _glu.GLU_TILE = tile
 
     rows = []
     try:

@@ -292,7 +292,7 @@ def test_row_blocks_past_grid_y(form, shape, small_grid_y, device):
     """Row-tiled launches (packed halves; separate inputs in column-major layout, which the
     launcher copies to rows: contiguous ones launch as one flat row) with more row blocks than
     the grid has rows. (Not row slices of wider tensors: `_run`'s clone makes those contiguous.)"""
-    cfg = glu.StreamConfig.streaming(*shape)
+    cfg = glu.StreamConfig.streaming(*shape, glu.GLU_TILE)  # the GLU launchers' tile
     n_row_blocks = math.ceil(shape[0] / cfg.block_m)
     assert cfg.grid(*shape)[1] == 3 < n_row_blocks and n_row_blocks % 3  # a partial last stride
     torch.manual_seed(10)
