@@ -27,6 +27,8 @@ and twice in
 the backward.
 """
 
+import dataclasses
+import functools
 import math
 from typing import Optional, Union
 
@@ -39,6 +41,7 @@ from torch import nn
 from kprof.errors import KprofError
 from kprof.kernels._common import interpreter_enabled, use_triton, via_custom_op, warn_fallback
 from kprof.kernels._math import fast_math, rcp_fast
+from kprof.kernels import rms_norm as _rms
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 from kprof.kernels.rms_norm import (
     MAX_FUSED_N,
@@ -471,7 +474,11 @@ BWD_MAX_WARPS = 4
 # reciprocal; with div.full instead of _math.rcp_fast: 560 / 552). Persistent loop body: 311 /
 # 294, 302 / 292, 371 / 366. Registers: 40 / 39, 40 / 40, 40 / 48; persistent 80 / 79, 80 / 76,
 # 105 / 105.
-FWD_STATS = "three_pass"
+# H200, 2026-11-30 02:10 (`normsweep-h200-20261130T0210-fwd.txt`, GPU kernel time of the forward at
+# 16384 x 4096 bf16): three_pass 74.3 us, two_pass 73.3, chan 85.0 at today's 8 warps; at 4 warps
+# (below) two_pass 67.3, three_pass 68.1, chan 81.3. Persistent grids with the prefetch (1-8
+# programs per SM) 75-113 us, evict_first / .cs hints +2 us: no gain. two_pass is the default.
+FWD_STATS = "two_pass"
 _FWD_STATS = ("three_pass", "two_pass", "chan")
 
 
@@ -510,6 +517,21 @@ def _require_triton(t: torch.Tensor, op: str) -> None:
         )
 
 
+def _forward_config(n_cols: int) -> RowConfig:
+    """RowConfig.forward with LayerNorm's own warp count: ~32 elements a thread (4 warps for a
+    4096-wide row), where RMSNorm takes ~16 (8 warps). H200 sweep (see FWD_STATS): 74.3 -> 68.1 us
+    (three_pass), 73.3 -> 67.3 (two_pass) from 8 to 4 warps at 4096 columns; 2 rows x 8 warps
+    (32 a thread too) 67.6; 16 warps 93.7. rms_norm.FWD_NUM_WARPS, when set, overrides it."""
+    return _with_ln_warps(RowConfig.forward(n_cols), _rms.FWD_NUM_WARPS)
+
+
+@functools.lru_cache(maxsize=256)
+def _with_ln_warps(cfg: RowConfig, warps_knob: int) -> RowConfig:
+    if cfg.loop or warps_knob:
+        return cfg
+    return dataclasses.replace(cfg, num_warps=max(4, min(16, cfg.block_m * cfg.block_n // 1024)))
+
+
 def _launch_fwd(x, weight, bias, eps):
     _require_triton(x, "layer_norm")
     n_cols = x.shape[-1]
@@ -521,7 +543,7 @@ def _launch_fwd(x, weight, bias, eps):
     x2 = _rows(x)
     y2 = y.view(-1, n_cols)
     n_rows = x2.shape[0]
-    cfg = RowConfig.forward(n_cols)
+    cfg = _forward_config(n_cols)
     n_programs, persistent = forward_grid(n_rows, cfg, x.device)
     if FWD_STATS not in _FWD_STATS:
         raise KprofError(f"layer_norm: FWD_STATS must be one of {_FWD_STATS}, got {FWD_STATS!r}")
