@@ -75,8 +75,13 @@ def rcp_fast(x, FAST: tl.constexpr):
 
 @triton.jit
 def to_f32_fast(x, FAST: tl.constexpr):
-    """x (any float block) as fp32; bf16 pairs by shift and mask on the GPU (see above)."""
-    if FAST and x.dtype == tl.bfloat16:
+    """x (any float block) as fp32; bf16 pairs by shift and mask on the GPU (see above).
+
+    Pairs need an even number of elements in each thread: a block of >= 2048 elements (powers of
+    two) gives every thread >= 2 at up to 32 warps. Smaller blocks (tiny or odd shapes: a 1x1
+    tile is one element a thread, which Triton rejects for inline asm with pack=2: H200
+    2026-11-30) take the plain conversion."""
+    if FAST and x.dtype == tl.bfloat16 and x.numel >= 2048:
         return tl.inline_asm_elementwise(
             "{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }", "=r,=r,r", [x], dtype=tl.float32, is_pure=True, pack=2
         )

@@ -40,22 +40,8 @@ from torch import nn
 
 from kprof.errors import KprofError
 from kprof.kernels._common import interpreter_enabled, use_triton, via_custom_op, warn_fallback
-from kprof.kernels._math import fast_math, rcp_fast
-from kprof.kernels import rms_norm as _rms
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
-from kprof.kernels.rms_norm import (
-    MAX_FUSED_N,
-    RowConfig,
-    _acc_zeros,
-    _bc_rows,
-    _cast,
-    _load_rows,
-    _row_block,
-    backward_grid,
-    dw_acc_f64,
-    forward_cache_hints,
-    forward_grid,
-)
+from kprof.kernels.rms_norm import MAX_FUSED_N, RowConfig, _acc_zeros, _cast, backward_grid, dw_acc_f64
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -71,129 +57,6 @@ def _add2(a0, a1, b0, b1):
 
 
 @triton.jit
-def _chan_merge_impl(mean_a, m2_a, n_a, mean_b, m2_b, n_b, FAST: tl.constexpr):
-    """Chan, Golub & LeVeque's pairwise merge of (mean, M2 = sum of squared deviations from
-    the mean, count). Empty groups (padding columns, n = 0) merge as the identity. FAST:
-    the reciprocal of the count (>= 1) by rcp.approx (1 ulp, MUFU.RCP alone) instead of
-    div.full's ~8 instructions, at each of the ~9 merge levels of a row (kprof.kernels._math)."""
-    n = n_a + n_b
-    frac = n_b * rcp_fast(tl.maximum(n, 1.0), FAST)  # n = 0: n_b = 0, frac = 0
-    delta = mean_b - mean_a
-    return mean_a + delta * frac, m2_a + m2_b + delta * delta * (n_a * frac), n
-
-
-@triton.jit
-def _chan_merge(mean_a, m2_a, n_a, mean_b, m2_b, n_b):
-    return _chan_merge_impl(mean_a, m2_a, n_a, mean_b, m2_b, n_b, False)
-
-
-@triton.jit
-def _chan_merge_fast(mean_a, m2_a, n_a, mean_b, m2_b, n_b):
-    return _chan_merge_impl(mean_a, m2_a, n_a, mean_b, m2_b, n_b, True)
-
-
-@triton.jit
-def _chan_tree(mean, m2, cnt):
-    """[BLOCK_M, G] group stats -> [BLOCK_M] row stats by a balanced pairwise tree of
-    _chan_merge (G a power of 2), vectorized over the block: the interpreter's stand-in for
-    `tl.reduce(..., _chan_merge)` (see TREE_EMU)."""
-    for _ in tl.static_range(13):  # G <= MAX_FUSED_N / 4 = 2^12
-        if mean.shape[1] > 1:
-            shape: tl.constexpr = (mean.shape[0], mean.shape[1] // 2, 2)
-            mean_a, mean_b = tl.split(tl.reshape(mean, shape))
-            m2_a, m2_b = tl.split(tl.reshape(m2, shape))
-            n_a, n_b = tl.split(tl.reshape(cnt, shape))
-            mean, m2, cnt = _chan_merge(mean_a, m2_a, n_a, mean_b, m2_b, n_b)
-    return tl.reshape(mean, (mean.shape[0],)), tl.reshape(m2, (m2.shape[0],))
-
-
-@triton.jit
-def _layer_norm_fwd_rows(
-    x, shift, cnt, inv_cnt, w, b, rows, cols, col_mask,
-    W, B, Y, MEAN, RSTD, stride_y, n_rows, n_cols, eps,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, EMULATE_RTNE: tl.constexpr, STORE_CM: tl.constexpr,
-    STATS: tl.constexpr, VEC: tl.constexpr, WB_LOADED: tl.constexpr, TREE_EMU: tl.constexpr, FAST: tl.constexpr,
-):
-    """The in-register forward of one block of rows whose x is loaded (in X's dtype): [BLOCK_M,
-    BLOCK_N], or [BLOCK_M, BLOCK_N // VEC, VEC] for STATS "chan", with `cols` of the same
-    trailing shape. chan only: `shift`, each row's first element; `cnt` and `inv_cnt`, each
-    group's count of real columns ([G] fp32: VEC, fewer in the tail group, 0 past it) and its
-    reciprocal (0 for empty groups; computed once per program). WB_LOADED: w and b are the
-    fp32 weight and bias rows hoisted out of the persistent loop; else they are loaded here,
-    after the reductions (as before the persistent option, so the default compiles as it did).
-
-    TREE_EMU (the interpreter only): the multi-operand reductions are done as the GPU does them,
-    in a tree. Triton's interpreter (3.9) runs a `tl.reduce` with a combine_fn element by element
-    in sequence (tl.sum is numpy's pairwise sum): at 1823 x 781 fp32 that alone made "two_pass"
-    rstd 5x less accurate than three_pass (rms relative error 2.2e-7 vs 4.6e-8, where a GPU-like
-    tree, emulated in numpy, gives 2.3e-8 for both formulas; dweight then used 1.04 of the fp32
-    tolerance against the fp64 reference, three_pass 0.28) and the forward 40x slower (117 s
-    vs 3 s)."""
-    CHAN: tl.constexpr = STATS == "chan"
-    row_mask = rows < n_rows
-    off, mask = _row_block(rows, n_rows, stride_y, cols, col_mask, CHAN)
-    x = x.to(tl.float32)
-    if CHAN:
-        # One cross-thread reduction. Each thread's VEC contiguous columns (one 16-byte load) are
-        # a group: its mean and M2 are sums in registers (axis 2 is inside the thread: the
-        # sm_90 code has no shuffle or shared memory for them),
-        # then one tl.reduce merges (mean, M2, count) over the groups with Chan's update.
-        # The data are shifted by the row's first element first: the merged mean of unshifted
-        # data carries ~log2(N / VEC) roundings of ulp(|mean|) (3e-5 each at mean 1000, std 2:
-        # past the fp32 tolerance once divided by the std), where x - shift is exact (Sterbenz)
-        # for rows with |mean| >> std, and y = ((x - shift) - mean_s) * rstd keeps the mean in
-        # two parts, as the other variants do with (mean, corr).
-        xs = tl.where(mask, x - shift[:, None, None], 0.0)
-        mean_g = tl.sum(xs, axis=2) * inv_cnt[None, :]
-        d = tl.where(mask, xs - mean_g[:, :, None], 0.0)
-        cnt_m = tl.broadcast_to(cnt[None, :], (x.shape[0], cnt.shape[0]))
-        if TREE_EMU:
-            mean_s, m2 = _chan_tree(mean_g, tl.sum(d * d, axis=2), cnt_m)
-        elif FAST:
-            mean_s, m2, _ = tl.reduce((mean_g, tl.sum(d * d, axis=2), cnt_m), 1, _chan_merge_fast)
-        else:
-            mean_s, m2, _ = tl.reduce((mean_g, tl.sum(d * d, axis=2), cnt_m), 1, _chan_merge)
-        var = m2 / n_cols
-        mean = shift + mean_s
-        xc = xs - mean_s[:, None, None]
-    else:
-        mean = tl.sum(x, axis=1) / n_cols
-        xc = tl.where(mask, x - mean[:, None], 0.0)  # padding must not enter the variance
-        # Corrected two-pass (Chan, Golub & LeVeque 1983): the fp32 sum behind `mean` is off by
-        # ~1e-7 * |mean| * log2(N) (1.2e-4 at mean 1000, N 300: 6e-5 of a std of 2, over the
-        # fp32 tolerance); the residuals' sum recovers that error almost exactly.
-        if STATS == "two_pass":
-            # corr and E[xc²] in one two-operand reduction (one shuffle + shared-memory round
-            # instead of two in sequence): var = E[xc²] - corr², exact in real arithmetic, and
-            # corr² is ~(1e-7 |mean|)² << var, so the subtraction loses nothing.
-            if TREE_EMU:
-                s_xc, s_xc2 = tl.sum(xc, axis=1), tl.sum(xc * xc, axis=1)
-            else:
-                s_xc, s_xc2 = tl.reduce((xc, xc * xc), 1, _add2)
-            corr = s_xc / n_cols
-            var = s_xc2 / n_cols - corr * corr
-            xc = xc - corr[:, None]
-        else:  # three_pass: the variance of the re-centred residuals, a third reduction
-            corr = tl.sum(xc, axis=1) / n_cols
-            xc = tl.where(mask, xc - corr[:, None], 0.0)
-            var = tl.sum(xc * xc, axis=1) / n_cols
-        mean += corr
-    rstd = tl.rsqrt(tl.where(row_mask, var + eps, 1.0))  # padding rows: finite, never stored
-    tl.store(MEAN + rows, mean, mask=row_mask)
-    tl.store(RSTD + rows, rstd, mask=row_mask)
-    y = xc * _bc_rows(rstd, CHAN)
-    if HAS_WEIGHT:
-        if not WB_LOADED:
-            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-        y = y * tl.expand_dims(w, 0)
-    if HAS_BIAS:
-        if not WB_LOADED:
-            b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
-        y = y + tl.expand_dims(b, 0)
-    tl.store(Y + off, _cast(y, Y.dtype.element_ty, EMULATE_RTNE), mask=mask, cache_modifier=STORE_CM)
-
-
-@triton.jit
 def _layer_norm_fwd_kernel(
     X, W, B, Y, MEAN, RSTD,
     stride_x, stride_y,
@@ -202,68 +65,57 @@ def _layer_norm_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     LOOP: tl.constexpr,
     EMULATE_RTNE: tl.constexpr,  # interpreter only: see rms_norm._cast
-    TREE_EMU: tl.constexpr,  # interpreter only: see _layer_norm_fwd_rows
-    FAST: tl.constexpr,  # inline PTX allowed (kprof.kernels._math.fast_math): chan's merge reciprocal
-    STATS: tl.constexpr,  # in-register path's mean/variance: "three_pass", "two_pass", "chan" (FWD_STATS)
-    VEC: tl.constexpr,  # "chan": columns per thread-group, 16 bytes of X's dtype
-    PERSISTENT: tl.constexpr,  # in-register path: walk blocks pid, pid + n_programs, ... with prefetch
-    EVICT: tl.constexpr,  # eviction policy of the in-register path's x loads ("" or "evict_first")
-    STORE_CM: tl.constexpr,  # cache modifier of the in-register path's y stores ("" or ".cs")
+    TREE_EMU: tl.constexpr,  # interpreter only: the two-operand reduction as two tl.sum (below)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """y = (x - mean) * rstd [* w] [+ b] for BLOCK_M rows per block, all in fp32; mean and
+    """y = (x - mean) * rstd [* w] [+ b] for BLOCK_M rows per program, all in fp32; mean and
     rstd (fp32, one per row) are saved for the backward."""
     pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    rows64 = rows.to(tl.int64)  # row * stride overflows int32 past 2^31 elements
+    x_ptr = X + rows64[:, None] * stride_x
+    y_ptr = Y + rows64[:, None] * stride_y
 
     if not LOOP:
-        CHAN: tl.constexpr = STATS == "chan"
-        if CHAN:  # [G, VEC]: VEC contiguous columns per thread (see _layer_norm_fwd_rows)
-            cols = tl.arange(0, BLOCK_N // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
-        else:
-            cols = tl.arange(0, BLOCK_N)
+        cols = tl.arange(0, BLOCK_N)
         col_mask = cols < n_cols
-        cnt = 0.0
-        inv_cnt = 0.0
-        if CHAN:
-            cnt = tl.minimum(tl.maximum(n_cols - tl.arange(0, BLOCK_N // VEC) * VEC, 0), VEC).to(tl.float32)
-            inv_cnt = tl.where(cnt == VEC, 1.0 / VEC, 1.0 / tl.maximum(cnt, 1.0))  # exact for full groups
-            inv_cnt = tl.where(cnt > 0, inv_cnt, 0.0)
-        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-        x_nxt = _load_rows(X, stride_x, rows, n_rows, cols, col_mask, CHAN, EVICT)
-        sh_nxt = tl.zeros([BLOCK_M], dtype=tl.float32)  # chan's shift: the row's first element
-        if CHAN:
-            sh_nxt = tl.load(X + rows.to(tl.int64) * stride_x, mask=rows < n_rows, other=0.0).to(tl.float32)
-        if PERSISTENT:
-            # Software prefetch, as in rms_norm: block blk + n_programs's loads are issued
-            # before block blk's reductions and stores; w and b are loaded once per program.
-            w = 0.0
-            b = 0.0
-            if HAS_WEIGHT:
-                w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
-            step = tl.num_programs(0) * BLOCK_M
-            for blk in range(pid, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
-                rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-                x, sh = x_nxt, sh_nxt
-                x_nxt = _load_rows(X, stride_x, rows + step, n_rows, cols, col_mask, CHAN, EVICT)
-                if CHAN:
-                    sh_nxt = tl.load(X + (rows + step).to(tl.int64) * stride_x, mask=rows + step < n_rows,
-                                     other=0.0).to(tl.float32)
-                _layer_norm_fwd_rows(x, sh, cnt, inv_cnt, w, b, rows, cols, col_mask, W, B, Y, MEAN, RSTD, stride_y, n_rows,
-                                     n_cols, eps, HAS_WEIGHT, HAS_BIAS, EMULATE_RTNE, STORE_CM, STATS, VEC, True, TREE_EMU,
-                                     FAST)
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(x_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=1) / n_cols
+        xc = tl.where(mask, x - mean[:, None], 0.0)  # padding must not enter the variance
+        # Corrected two-pass (Chan, Golub & LeVeque 1983): the fp32 sum behind `mean` is off by
+        # ~1e-7 * |mean| * log2(N) (1.2e-4 at mean 1000, N 300: 6e-5 of a std of 2, over the
+        # fp32 tolerance); the residuals' sum recovers that error almost exactly.
+        # corr and E[xc^2] in one two-operand reduction (one shuffle + shared-memory round instead
+        # of two in sequence): var = E[xc^2] - corr^2, exact in real arithmetic, and corr^2 ~
+        # (1e-7 |mean|)^2 << var, so the subtraction loses nothing. H200, 2026-11-30 02:10
+        # (`normsweep-h200-20261130T0210-fwd.txt`, kernel time at 16384 x 4096 bf16): 74.3 ->
+        # 73.3 us at 8 warps, 68.1 -> 67.3 at 4 (_forward_config). (A one-reduction variant,
+        # per-thread mean and M2 merged by Chan's update, ran 81-85 us; persistent grids with a
+        # next-row prefetch 75-113 us, and evict_first / .cs hints +2 us: all dropped.)
+        if TREE_EMU:
+            # The interpreter (3.9) runs a combine_fn reduction element by element in sequence
+            # (tl.sum is numpy's pairwise sum): at 1823 x 781 fp32 that made this rstd 5x less
+            # accurate on the CPU than the GPU's tree (2.2e-7 vs 2.3e-8 relative, emulated), and
+            # test_fp32_dweight_on_the_h200_grid failed there (1.04 of the fp32 tolerance).
+            s_xc, s_xc2 = tl.sum(xc, axis=1), tl.sum(xc * xc, axis=1)
         else:
-            _layer_norm_fwd_rows(x_nxt, sh_nxt, cnt, inv_cnt, 0.0, 0.0, rows, cols, col_mask, W, B, Y, MEAN, RSTD, stride_y,
-                                 n_rows, n_cols, eps, HAS_WEIGHT, HAS_BIAS, EMULATE_RTNE, STORE_CM, STATS, VEC, False, TREE_EMU,
-                                 FAST)
+            s_xc, s_xc2 = tl.reduce((xc, xc * xc), 1, _add2)
+        corr = s_xc / n_cols
+        mean += corr
+        xc = tl.where(mask, xc - corr[:, None], 0.0)
+        rstd = tl.rsqrt(tl.where(row_mask, s_xc2 / n_cols - corr * corr + eps, 1.0))  # padding rows: finite
+        tl.store(MEAN + rows, mean, mask=row_mask)
+        tl.store(RSTD + rows, rstd, mask=row_mask)
+        y = xc * rstd[:, None]
+        if HAS_WEIGHT:
+            y = y * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if HAS_BIAS:
+            y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + cols[None, :], _cast(y, Y.dtype.element_ty, EMULATE_RTNE), mask=mask)
     else:
-        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_mask = rows < n_rows
-        rows64 = rows.to(tl.int64)  # row * stride overflows int32 past 2^31 elements
-        x_ptr = X + rows64[:, None] * stride_x
-        y_ptr = Y + rows64[:, None] * stride_y
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK_N):  # pass 1: mean
             cols = start + tl.arange(0, BLOCK_N)
@@ -457,30 +309,6 @@ def _layer_norm_bwd_kernel(
 BWD_BLOCK_ELEMS = 8192
 BWD_MAX_WARPS = 4
 
-# How the in-register forward gets a row's mean and variance (the looped path always takes the
-# corrected two-pass over three reads). Each cross-thread reduction is a round of 5 warp
-# shuffles, a shared-memory exchange and a barrier, in sequence (ncu, H200: the forward is
-# issue-bound, 78% SM / 60% DRAM, 77 us against the 63 us copy floor at 16384 x 4096 bf16).
-#   "three_pass": mean; the residuals' sum corr; the variance of the re-centred residuals:
-#                 three reductions.
-#   "two_pass":   mean; then corr and the residuals' sum of squares in one two-operand
-#                 reduction, var = E[xc²] - corr²: two.
-#   "chan":       per-thread group (16 bytes) mean and M2 in registers, merged by one
-#                 reduction with Chan's update, on data shifted by the row's first element: one.
-# All three pass the same tests at the same tolerances (including |mean| = 1000 >> std = 2).
-# SASS, sm_90, bf16, 4096 x 8 warps, one block per program (Triton 3.6 / 3.9): instructions and
-# barriers per row, three_pass 400 / 376 and 8 / 5 BAR, two_pass 400 / 376 and 5 / 4, chan 504 /
-# 496 and 2 / 3 (its reduction shuffles 3 operands, and each of its 9 merge levels takes a
-# reciprocal; with div.full instead of _math.rcp_fast: 560 / 552). Persistent loop body: 311 /
-# 294, 302 / 292, 371 / 366. Registers: 40 / 39, 40 / 40, 40 / 48; persistent 80 / 79, 80 / 76,
-# 105 / 105.
-# H200, 2026-11-30 02:10 (`normsweep-h200-20261130T0210-fwd.txt`, GPU kernel time of the forward at
-# 16384 x 4096 bf16): three_pass 74.3 us, two_pass 73.3, chan 85.0 at today's 8 warps; at 4 warps
-# (below) two_pass 67.3, three_pass 68.1, chan 81.3. Persistent grids with the prefetch (1-8
-# programs per SM) 75-113 us, evict_first / .cs hints +2 us: no gain. two_pass is the default.
-FWD_STATS = "two_pass"
-_FWD_STATS = ("three_pass", "two_pass", "chan")
-
 
 def _check(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> None:
     if not isinstance(x, torch.Tensor):
@@ -517,17 +345,14 @@ def _require_triton(t: torch.Tensor, op: str) -> None:
         )
 
 
+@functools.lru_cache(maxsize=256)
 def _forward_config(n_cols: int) -> RowConfig:
     """RowConfig.forward with LayerNorm's own warp count: ~32 elements a thread (4 warps for a
-    4096-wide row), where RMSNorm takes ~16 (8 warps). H200 sweep (see FWD_STATS): 74.3 -> 68.1 us
-    (three_pass), 73.3 -> 67.3 (two_pass) from 8 to 4 warps at 4096 columns; 2 rows x 8 warps
-    (32 a thread too) 67.6; 16 warps 93.7. rms_norm.FWD_NUM_WARPS, when set, overrides it."""
-    return _with_ln_warps(RowConfig.forward(n_cols), _rms.FWD_NUM_WARPS)
-
-
-@functools.lru_cache(maxsize=256)
-def _with_ln_warps(cfg: RowConfig, warps_knob: int) -> RowConfig:
-    if cfg.loop or warps_knob:
+    4096-wide row), where RMSNorm takes ~16 (8 warps). H200 sweep 2026-11-30 02:10 (kernel time,
+    16384 x 4096 bf16): 73.3 -> 67.3 us from 8 to 4 warps; 2 rows x 8 warps (32 a thread too)
+    67.6; 16 warps 93.7. RMSNorm's forward measured 66.3 us at 8 warps, 67.2 at 4."""
+    cfg = RowConfig.forward(n_cols)
+    if cfg.loop:
         return cfg
     return dataclasses.replace(cfg, num_warps=max(4, min(16, cfg.block_m * cfg.block_n // 1024)))
 
@@ -544,18 +369,14 @@ def _launch_fwd(x, weight, bias, eps):
     y2 = y.view(-1, n_cols)
     n_rows = x2.shape[0]
     cfg = _forward_config(n_cols)
-    n_programs, persistent = forward_grid(n_rows, cfg, x.device)
-    if FWD_STATS not in _FWD_STATS:
-        raise KprofError(f"layer_norm: FWD_STATS must be one of {_FWD_STATS}, got {FWD_STATS!r}")
     w = weight.contiguous() if weight is not None else x2  # dummy pointer when absent
     b = bias.contiguous() if bias is not None else x2
-    _layer_norm_fwd_kernel[(n_programs,)](
+    _layer_norm_fwd_kernel[(triton.cdiv(n_rows, cfg.block_m),)](
         x2, w, b, y2, mean, rstd,
         x2.stride(0), y2.stride(0),
         n_rows, n_cols, eps,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, LOOP=cfg.loop,
-        EMULATE_RTNE=interpreter_enabled(), TREE_EMU=interpreter_enabled(), FAST=fast_math(x), STATS=FWD_STATS, VEC=min(cfg.block_n, 16 // x.element_size()),
-        PERSISTENT=persistent, **forward_cache_hints(),
+        EMULATE_RTNE=interpreter_enabled(), TREE_EMU=interpreter_enabled(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
     )
     return y, mean, rstd

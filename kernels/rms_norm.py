@@ -79,64 +79,6 @@ def _cast(x, dtype: tl.constexpr, EMULATE_RTNE: tl.constexpr):
 
 
 @triton.jit
-def _bc_rows(v, RANK3: tl.constexpr):
-    """Per-row values [BLOCK_M] against a row block: [BLOCK_M, 1], or [BLOCK_M, 1, 1] for the
-    [BLOCK_M, G, V] blocks of layer_norm's "chan" statistics."""
-    v = tl.expand_dims(v, 1)
-    if RANK3:
-        v = tl.expand_dims(v, 2)
-    return v
-
-
-@triton.jit
-def _row_block(rows, n_rows, stride, cols, col_mask, RANK3: tl.constexpr):
-    """Element offsets (int64: row * stride overflows int32 past 2^31 elements) and mask of the
-    rows `rows` x columns `cols` ([BLOCK_N], or [G, V] with RANK3). Rows at or past n_rows are
-    masked off: the tail block, and a prefetch past a program's last block (no memory traffic)."""
-    off = _bc_rows(rows.to(tl.int64) * stride, RANK3) + tl.expand_dims(cols, 0)
-    mask = _bc_rows(rows < n_rows, RANK3) & tl.expand_dims(col_mask, 0)
-    return off, mask
-
-
-@triton.jit
-def _load_rows(P, stride, rows, n_rows, cols, col_mask, RANK3: tl.constexpr, EVICT: tl.constexpr):
-    """One row block of P in P's dtype: the persistent loop carries the prefetched block as
-    loaded (bf16: 8 registers per thread at 4096 columns x 8 warps, half of fp32's 16)."""
-    off, mask = _row_block(rows, n_rows, stride, cols, col_mask, RANK3)
-    return tl.load(P + off, mask=mask, other=0.0, eviction_policy=EVICT)
-
-
-@triton.jit
-def _rms_norm_fwd_rows(
-    x, r, w, rows, cols, col_mask,
-    X, W, Y, S, RSTD, stride_y, stride_s, n_rows, n_cols, eps, offset,
-    HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, EMULATE_RTNE: tl.constexpr, STORE_CM: tl.constexpr,
-    W_LOADED: tl.constexpr,
-):
-    """The in-register forward of one block of rows whose x (and r) are already loaded (as
-    loaded, in X's dtype). W_LOADED: w is the fp32 weight row plus the offset, hoisted out of
-    the persistent loop; else w is loaded here, after the reduction: loaded before it, w's 16
-    registers a thread are live across it and ptxas (sm_90, Triton 3.9, 4096 columns x 8 warps)
-    goes from 32 to 39 registers, 8 -> 6 resident programs per SM."""
-    row_mask = rows < n_rows
-    x = x.to(tl.float32)
-    if HAS_RESIDUAL:
-        s = _cast(x + r.to(tl.float32), S.dtype.element_ty, EMULATE_RTNE)  # HF adds in the activation dtype
-        s_off, mask = _row_block(rows, n_rows, stride_s, cols, col_mask, False)
-        tl.store(S + s_off, s, mask=mask, cache_modifier=STORE_CM)
-        x = s.to(tl.float32)
-    rstd = tl.rsqrt(tl.where(row_mask, tl.sum(x * x, axis=1) / n_cols + eps, 1.0))  # padding rows: finite, never stored
-    tl.store(RSTD + rows, rstd, mask=row_mask)
-    if not W_LOADED:
-        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
-    x_hat = x * rstd[:, None]
-    if not GEMMA:
-        x_hat = _cast(x_hat, X.dtype.element_ty, EMULATE_RTNE).to(tl.float32)
-    y_off, mask = _row_block(rows, n_rows, stride_y, cols, col_mask, False)
-    tl.store(Y + y_off, _cast(x_hat * w[None, :], Y.dtype.element_ty, EMULATE_RTNE), mask=mask, cache_modifier=STORE_CM)
-
-
-@triton.jit
 def _rms_norm_fwd_kernel(
     X, R, W, Y, S, RSTD,
     stride_x, stride_r, stride_y, stride_s,
@@ -145,49 +87,38 @@ def _rms_norm_fwd_kernel(
     GEMMA: tl.constexpr,  # gemma: y = (x_hat * (w + offset)) cast once; llama: cast x_hat first
     LOOP: tl.constexpr,  # row wider than one block: loop over column tiles
     EMULATE_RTNE: tl.constexpr,  # interpreter only: see _cast
-    PERSISTENT: tl.constexpr,  # in-register path: walk blocks pid, pid + n_programs, ... with prefetch
-    EVICT: tl.constexpr,  # eviction policy of the in-register path's x and r loads ("" or "evict_first")
-    STORE_CM: tl.constexpr,  # cache modifier of the in-register path's y and s stores ("" or ".cs")
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Forward of BLOCK_M rows per block. Arithmetic in fp32 (the interpreter, and accuracy,
+    """Forward of BLOCK_M rows per program. Arithmetic in fp32 (the interpreter, and accuracy,
     need the upcast before any arithmetic); rstd (fp32, one per row) is saved for the backward."""
     pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    rows64 = rows.to(tl.int64)  # row * stride overflows int32 past 2^31 elements
+    x_ptr = X + rows64[:, None] * stride_x
+    r_ptr = R + rows64[:, None] * stride_r
+    y_ptr = Y + rows64[:, None] * stride_y
+    s_ptr = S + rows64[:, None] * stride_s
 
     if not LOOP:
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < n_cols
-        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-        x_nxt = _load_rows(X, stride_x, rows, n_rows, cols, col_mask, False, EVICT)
-        r_nxt = x_nxt  # unused without a residual
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(x_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
-            r_nxt = _load_rows(R, stride_r, rows, n_rows, cols, col_mask, False, EVICT)
-        if PERSISTENT:
-            # Software prefetch (see FWD_PROGRAMS_PER_SM): block blk + n_programs is loaded
-            # before block blk's reduction and stores, so its DRAM reads are in flight while
-            # this block waits on its shuffles and barrier.
-            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset  # once per program
-            step = tl.num_programs(0) * BLOCK_M
-            for blk in range(pid, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
-                rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-                x, r = x_nxt, r_nxt
-                x_nxt = _load_rows(X, stride_x, rows + step, n_rows, cols, col_mask, False, EVICT)
-                if HAS_RESIDUAL:
-                    r_nxt = _load_rows(R, stride_r, rows + step, n_rows, cols, col_mask, False, EVICT)
-                _rms_norm_fwd_rows(x, r, w, rows, cols, col_mask, X, W, Y, S, RSTD, stride_y, stride_s, n_rows,
-                                   n_cols, eps, offset, HAS_RESIDUAL, GEMMA, EMULATE_RTNE, STORE_CM, True)
-        else:
-            _rms_norm_fwd_rows(x_nxt, r_nxt, 0.0, rows, cols, col_mask, X, W, Y, S, RSTD, stride_y, stride_s, n_rows,
-                               n_cols, eps, offset, HAS_RESIDUAL, GEMMA, EMULATE_RTNE, STORE_CM, False)
+            r = tl.load(r_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            s = _cast(x + r, S.dtype.element_ty, EMULATE_RTNE)  # HF adds in the activation dtype
+            tl.store(s_ptr + cols[None, :], s, mask=mask)
+            x = s.to(tl.float32)
+        rstd = tl.rsqrt(tl.where(row_mask, tl.sum(x * x, axis=1) / n_cols + eps, 1.0))  # padding rows: finite, never stored
+        tl.store(RSTD + rows, rstd, mask=row_mask)
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+        x_hat = x * rstd[:, None]
+        if not GEMMA:
+            x_hat = _cast(x_hat, X.dtype.element_ty, EMULATE_RTNE).to(tl.float32)
+        tl.store(y_ptr + cols[None, :], _cast(x_hat * w[None, :], Y.dtype.element_ty, EMULATE_RTNE), mask=mask)
     else:
-        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_mask = rows < n_rows
-        rows64 = rows.to(tl.int64)  # row * stride overflows int32 past 2^31 elements
-        x_ptr = X + rows64[:, None] * stride_x
-        r_ptr = R + rows64[:, None] * stride_r
-        y_ptr = Y + rows64[:, None] * stride_y
-        s_ptr = S + rows64[:, None] * stride_s
         # Pass 1: sum of squares tile by tile (and the residual sum, stored once).
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK_N):
@@ -343,25 +274,6 @@ FWD_BLOCK_ELEMS = 4096
 BWD_BLOCK_ELEMS = 8192
 BWD_MAX_WARPS = 8
 MAX_BLOCK_M = 64
-# Forward launch knobs, swept by `python -m benchmarks.cases.norms fwd` (H200, 16384 x 4096 bf16:
-# RMSNorm fwd 72 us, LayerNorm 77 us against a 63 us copy floor; ncu RMSNorm 78% of DRAM peak,
-# LayerNorm 60%, issue-bound at 78% SM). Defaults are today's launch until measured.
-# FWD_PROGRAMS_PER_SM > 0: a persistent grid of that many programs per SM (the in-register path
-# only); each walks row blocks pid, pid + n_programs, ... and loads the next block (x, and the
-# residual) before reducing and storing the current one, so one program keeps a row of DRAM
-# reads in flight through its reductions. 0: one program per block (16384 at the issue's shape).
-# SASS (sm_90): Triton 3.6 issues the next block's loads first in the loop body (RMSNorm) or
-# after the first reduction's 5 warp shuffles (LayerNorm; 3.9: both), always before the first
-# barrier and every store. Registers at 4096 x 8 warps, bf16 (ptxas, Triton 3.6): RMSNorm 32 ->
-# 63 (x, the prefetched block and the hoisted weight live together), LayerNorm 40 -> 80: at most
-# 4 (RMSNorm) or 3 (LayerNorm) resident programs per SM; more run in waves. Loop body per row:
-# RMSNorm 195 SASS instructions against 272 for the one-block kernel, LayerNorm 311 vs 400.
-FWD_PROGRAMS_PER_SM = 0
-FWD_NUM_WARPS = 0  # 0: ~16 elements per thread (_num_warps)
-# Cache hints of the in-register path: x (and residual) are read once, y (and the sum) are not
-# read back by this kernel. evict_first on the loads, ".cs" (streaming) on the stores.
-FWD_EVICT_FIRST = False
-FWD_STREAMING_STORES = False
 # Persistent backward grid: programs per SM. The fp64 dw partial buffer is
 # n_programs x N x 8 bytes (264 x 4096 x 8 = 8.7 MB on an H200), written and read once.
 BWD_PROGRAMS_PER_SM = 2
@@ -398,18 +310,17 @@ class RowConfig:
     loop: bool  # row wider than MAX_FUSED_N: loop over column tiles
 
     @staticmethod
-    def _for(n_cols: int, block_elems: int, max_warps: int = 16, warps: int = 0) -> "RowConfig":
-        """warps: a fixed warp count (0: auto, ~16 elements per thread, at most max_warps)."""
+    def _for(n_cols: int, block_elems: int, max_warps: int = 16) -> "RowConfig":
         if n_cols > MAX_FUSED_N:
-            return RowConfig(1, LOOP_BLOCK_N, warps or min(max_warps, _num_warps(LOOP_BLOCK_N)), True)
+            return RowConfig(1, LOOP_BLOCK_N, min(max_warps, _num_warps(LOOP_BLOCK_N)), True)
         block_n = triton.next_power_of_2(max(n_cols, 1))
         block_m = max(1, min(MAX_BLOCK_M, block_elems // block_n))
-        return RowConfig(block_m, block_n, warps or min(max_warps, _num_warps(block_m * block_n)), False)
+        return RowConfig(block_m, block_n, min(max_warps, _num_warps(block_m * block_n)), False)
 
     @staticmethod
+    @lru_cache(maxsize=256)
     def forward(n_cols: int) -> "RowConfig":
-        # The knobs are part of the cache key: the sweep and the tests change them at run time.
-        return _forward_config(n_cols, FWD_BLOCK_ELEMS, FWD_NUM_WARPS, MAX_FUSED_N, LOOP_BLOCK_N)
+        return RowConfig._for(n_cols, FWD_BLOCK_ELEMS)
 
     @staticmethod
     @lru_cache(maxsize=256)
@@ -418,11 +329,6 @@ class RowConfig:
         RMSNorm's), at most `max_warps` warps (default BWD_MAX_WARPS; more registers per thread
         than the forward)."""
         return RowConfig._for(n_cols, block_elems or BWD_BLOCK_ELEMS, max_warps or BWD_MAX_WARPS)
-
-
-@lru_cache(maxsize=256)
-def _forward_config(n_cols: int, block_elems: int, warps: int, max_fused_n: int, loop_block_n: int) -> RowConfig:
-    return RowConfig._for(n_cols, block_elems, warps=warps)  # (_for reads the last two as globals)
 
 
 @lru_cache(maxsize=None)
@@ -438,21 +344,6 @@ def backward_grid(n_rows: int, cfg: RowConfig, device: torch.device) -> tuple[in
     n_blocks = triton.cdiv(n_rows, cfg.block_m)
     n_programs = max(1, min(n_blocks, _sm_count(device) * BWD_PROGRAMS_PER_SM))
     return n_programs, triton.cdiv(n_blocks, n_programs) * cfg.block_m
-
-
-def forward_grid(n_rows: int, cfg: RowConfig, device: torch.device) -> tuple[int, bool]:
-    """(n_programs, persistent) of a forward: one program per row block, or with
-    FWD_PROGRAMS_PER_SM > 0 on the in-register path, at most that many per SM, each looping over
-    blocks pid, pid + n_programs, ... (the looped wide-row path stays one block per program)."""
-    n_blocks = triton.cdiv(n_rows, cfg.block_m)
-    if cfg.loop or FWD_PROGRAMS_PER_SM <= 0:
-        return n_blocks, False
-    return max(1, min(n_blocks, _sm_count(device) * FWD_PROGRAMS_PER_SM)), True
-
-
-def forward_cache_hints() -> dict:
-    """The forward kernels' EVICT and STORE_CM constexprs (see FWD_EVICT_FIRST)."""
-    return {"EVICT": "evict_first" if FWD_EVICT_FIRST else "", "STORE_CM": ".cs" if FWD_STREAMING_STORES else ""}
 
 
 # --------------------------------------------------------------------------------------------
@@ -520,13 +411,12 @@ def _launch_fwd(x, residual, weight, eps, offset, casting):
     s2 = s.view(-1, n_cols) if s is not None else y2
     n_rows = x2.shape[0]
     cfg = RowConfig.forward(n_cols)
-    n_programs, persistent = forward_grid(n_rows, cfg, x.device)
-    _rms_norm_fwd_kernel[(n_programs,)](
+    _rms_norm_fwd_kernel[(triton.cdiv(n_rows, cfg.block_m),)](
         x2, r2, weight.contiguous(), y2, s2, rstd,
         x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0),
         n_rows, n_cols, eps, offset,
         HAS_RESIDUAL=residual is not None, GEMMA=casting == "gemma", LOOP=cfg.loop,
-        EMULATE_RTNE=interpreter_enabled(), PERSISTENT=persistent, **forward_cache_hints(),
+        EMULATE_RTNE=interpreter_enabled(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
     )
     return y, s, rstd

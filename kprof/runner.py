@@ -386,6 +386,7 @@ class _Session:
         self.step_open = -1
         self.steps_recorded = 0
         self.peak: int | None = None
+        self.cuda_base = 0  # CUDA memory allocated when the recorded steps began
         self.trace_path: str | None = None
         self.detector: SyncDetector | None = None
         self.syncs: list[dict] = []
@@ -858,6 +859,7 @@ class _Session:
             try:
                 if self.cuda_run and torch.cuda.is_initialized():
                     torch.cuda.reset_peak_memory_stats()
+                    self.cuda_base = torch.cuda.memory_allocated()
                 self.prof.start_trace()
                 self.trace_started = True
             except Exception as e_:
@@ -1055,11 +1057,12 @@ class _Session:
 
     # ------------------------------------------------------------------ result
     def _result(self, status: str, error: str | None, exit_code: int, wall: float) -> RawRun:
-        if self.cuda_run and self.peak is not None:
+        if self.cuda_run and self.peak is not None and self.peak > self.cuda_base:
             label = "torch.cuda.max_memory_allocated over the recorded steps"
         else:
-            # A CPU run, or a script that never touched CUDA on a machine that has it (found on
-            # the H200: a CPU-only script reported no peak memory at all).
+            # A CPU run, or a script that allocated nothing on CUDA during the recorded steps on a
+            # machine that has it (found on the H200: a CPU-only script reported a CUDA peak of 0
+            # in its own process, and in a test process the CUDA memory other tests still held).
             label = "process peak RSS (ru_maxrss), whole run; not GPU memory"
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             self.peak = rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB on Linux

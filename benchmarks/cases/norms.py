@@ -19,8 +19,6 @@ which the harness reuses across repeats.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -185,22 +183,18 @@ def kernel_time_us(step, leaves, iters: int = 20) -> float:
     return total / iters
 
 
-def sweep_norm_configs(which: tuple[str, ...] = ("fwd", "bwd")) -> list[dict]:
+def sweep_norm_configs() -> list[dict]:
     """GPU kernel time (torch.profiler, host overhead excluded) of kprof's RMSNorm and LayerNorm at the
-    issue's shape over the launch knobs of kernels/rms_norm.py (shared by layer_norm) and
-    layer_norm.FWD_STATS. `python -m benchmarks.cases.norms [fwd] [bwd]` (default both):
-    - fwd: the forward alone, a staged search (see _FWD_STAGES); ~30 configs, ~60 s.
-    - bwd: fwd+bwd over the persistent backward's elements per block, programs per SM and warps.
-    Each config is checked against the default one first. Rows sorted by time per (norm, pass); the
-    first is what the defaults should be.
+    issue's shape over the launch knobs of kernels/rms_norm.py (shared by layer_norm): elements per
+    block and warps for the forward; elements per block, warps and programs per SM for the
+    persistent backward. `python -m benchmarks.cases.norms`. Each config is checked against the
+    default one first. Rows sorted by time per (norm, pass); the first is what RowConfig should pick.
     """
     import itertools
 
     mods = {"rms_norm": (_rms.rms_norm, _llama_inputs), "layer_norm": (_ln.layer_norm, _ln_inputs)}
     defaults = (_rms.FWD_BLOCK_ELEMS, {"rms_norm": _rms.BWD_BLOCK_ELEMS, "layer_norm": _ln.BWD_BLOCK_ELEMS},
                 _rms.BWD_PROGRAMS_PER_SM, _rms._num_warps, (_rms.BWD_MAX_WARPS, _ln.BWD_MAX_WARPS), _rms.HALF_DW_ACC_FP64)
-    fwd_defaults = FwdConfig(_ln.FWD_STATS, _rms.FWD_PROGRAMS_PER_SM, _rms.FWD_BLOCK_ELEMS, _rms.FWD_NUM_WARPS,
-                             _rms.FWD_EVICT_FIRST, _rms.FWD_STREAMING_STORES)
 
     def configure(fwd_elems, bwd_elems, per_sm, warps, acc64=defaults[5]):
         """bwd_elems: one int for both norms, or the defaults' per-norm dict; warps None = auto."""
@@ -211,12 +205,8 @@ def sweep_norm_configs(which: tuple[str, ...] = ("fwd", "bwd")) -> list[dict]:
         _rms._num_warps = (lambda n: warps) if warps else defaults[3]
         # A swept warp count lifts the backward's cap; "auto" keeps each norm's default cap.
         _rms.BWD_MAX_WARPS, _ln.BWD_MAX_WARPS = (16, 16) if warps else defaults[4]
-        _rms._forward_config.cache_clear()  # keyed on the forward knobs, but not on _num_warps
+        _rms.RowConfig.forward.cache_clear()
         _rms.RowConfig.backward.cache_clear()
-
-    def close(a, b):
-        # Another reduction tree changes low bits, never more than bf16 rounding.
-        return bool((a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max())
 
     rows = []
     try:
@@ -225,18 +215,9 @@ def sweep_norm_configs(which: tuple[str, ...] = ("fwd", "bwd")) -> list[dict]:
             x, leaves = inputs["x"], [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
             dy = torch.randn_like(x)
             configure(*defaults[:3], None, True)
-            fwd_defaults.apply()
             ref_y = fn(**inputs)  # the default launch config with fp64 partials is the reference
             ref = torch.autograd.grad(ref_y, leaves, dy)
             ref_y = ref_y.detach()
-            configure(*defaults[:3], None)
-            if "fwd" in which:
-                rows += _sweep_fwd(name, fn, inputs, leaves, ref_y, fwd_defaults, close)
-            fwd_defaults.apply()
-            if "bwd" not in which:
-                inputs = x = leaves = dy = ref = ref_y = None
-                torch.cuda.empty_cache()
-                continue
             # The forward was swept on 2026-11-29 (71-80 us at every setting, the default 71.7): bwd only.
             # ptxas (Triton 3.9, sm_90a) registers per thread of the RMSNorm backward at 4096 columns:
             # 1 row x 16 warps 81 with fp64 dw partials, 58 with fp32 (two 512-thread programs fit an
@@ -251,7 +232,9 @@ def sweep_norm_configs(which: tuple[str, ...] = ("fwd", "bwd")) -> list[dict]:
                 try:
                     y = fn(**inputs)
                     got = torch.autograd.grad(y, leaves, dy)
-                    ok = all(close(a, b) for a, b in zip((y, *got), (ref_y, *ref)))
+                    # Another reduction tree changes low bits, never more than bf16 rounding.
+                    ok = all(bool((a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max())
+                             for a, b in zip((y, *got), (ref_y, *ref)))
                     us = kernel_time_us((lambda: fn(**inputs)) if mode == "fwd"
                                         else (lambda: torch.autograd.backward(fn(**inputs), dy)), leaves)
                 except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result
@@ -266,107 +249,12 @@ def sweep_norm_configs(which: tuple[str, ...] = ("fwd", "bwd")) -> list[dict]:
             torch.cuda.empty_cache()
     finally:
         configure(*defaults[:3], None)
-        fwd_defaults.apply()
-    # Printed last: gpu_run.sh shows the log's tail.
     for name in mods:
-        for mode in ("fwd", "fwd+bwd"):
-            ranked = sorted((r for r in rows if r["norm"] == name and r["mode"] == mode and r["ok"]), key=lambda r: r["us"])
-            if not ranked:
-                continue
-            if mode == "fwd":
-                dflt = [r for r in ranked if r["cfg"] == fwd_defaults.label(name)]
-                print(f"default {name} fwd: " + (f"{dflt[0]['us']:.1f} us" if dflt else "n/a"), flush=True)
-            print(f"best {name} {mode}: " + "; ".join(
-                f"{b['us']:.1f} us ({b['cfg'] if mode == 'fwd' else b})" for b in ranked[:3]), flush=True)
-    return rows
-
-
-@dataclass(frozen=True)
-class FwdConfig:
-    """The forward knobs: layer_norm.FWD_STATS, and rms_norm's FWD_PROGRAMS_PER_SM,
-    FWD_BLOCK_ELEMS, FWD_NUM_WARPS (0 = auto), FWD_EVICT_FIRST and FWD_STREAMING_STORES."""
-
-    stats: str = "three_pass"
-    per_sm: int = 0
-    elems: int = 4096
-    warps: int = 0
-    evict_first: bool = False
-    streaming_stores: bool = False
-
-    def apply(self) -> None:
-        _ln.FWD_STATS = self.stats
-        _rms.FWD_PROGRAMS_PER_SM, _rms.FWD_BLOCK_ELEMS, _rms.FWD_NUM_WARPS = self.per_sm, self.elems, self.warps
-        _rms.FWD_EVICT_FIRST, _rms.FWD_STREAMING_STORES = self.evict_first, self.streaming_stores
-
-    def label(self, norm: str) -> str:
-        stats = f"{self.stats} " if norm == "layer_norm" else ""
-        hints = "+".join(h for h, on in (("evict_first", self.evict_first), (".cs", self.streaming_stores)) if on)
-        return f"{stats}per_sm={self.per_sm} elems={self.elems} warps={self.warps or 'auto'} hints={hints or 'none'}"
-
-
-# The forward grid, trimmed from the full cross (3 stats x 5 programs/SM x 2 block sizes x 4 warps
-# x 2 hints = 240 LayerNorm configs, ~1.5-2 s each for the compile and timing) to a staged search,
-# each stage starting from the best config so far (~13 RMSNorm + ~17 LayerNorm configs):
-#   1. stats (LayerNorm only), at today's launch;
-#   2. programs per SM x warps at 4096 elements: every programs/SM at auto warps (8 at 4096), and
-#      only 0 and 4/SM at 4 warps, 0 and 2/SM at 16 warps (the persistent kernel's registers
-#      allow no more resident programs, below);
-#   3. 8192 elements per block (2 rows of 4096) at auto warps (16) and 8;
-#   4. the cache hints: evict_first on the loads, then also .cs on the stores;
-#   5. (LayerNorm) the other stats at the final launch, in case the ranking of stage 1 changed.
-# Registers per thread (ptxas sm_90, Triton 3.6, bf16, 4096 columns, 1 row a block) and the
-# resident programs per SM they allow, one block per program -> persistent:
-#   4 warps:  RMSNorm 52 -> 127 (4/SM), LayerNorm 60-64 -> 166-168 (2-3/SM)
-#   8 warps:  RMSNorm 32 -> 63 (4/SM), LayerNorm 40 -> 80 (3/SM), chan 40 -> 105 (2/SM)
-#   16 warps: RMSNorm 25 -> 39 (3/SM), LayerNorm 31-32 -> 56-63 (2/SM)
-# A per_sm past that runs the persistent grid in waves (correct, but no more loads in flight).
-_FWD_STAGES = (
-    ("stats", [dict(stats=s) for s in ("three_pass", "two_pass", "chan")]),
-    ("grid", [dict(per_sm=p, warps=w, elems=4096)
-              for p, w in [(0, 0), (1, 0), (2, 0), (4, 0), (8, 0), (0, 4), (4, 4), (0, 16), (2, 16)]]),
-    ("block", [dict(elems=8192, warps=w) for w in (0, 8)]),
-    ("hints", [dict(evict_first=True), dict(evict_first=True, streaming_stores=True)]),
-    ("stats-again", [dict(stats=s) for s in ("three_pass", "two_pass", "chan")]),
-)
-
-
-def _sweep_fwd(name, fn, inputs, leaves, ref_y, start: "FwdConfig", close) -> list[dict]:
-    import dataclasses
-
-    def step():
-        with torch.no_grad():
-            fn(**inputs)
-
-    rows, seen = [], {}
-    best = start
-    for stage, changes in _FWD_STAGES:
-        if stage.startswith("stats") and name != "layer_norm":
-            continue
-        for change in changes:
-            cfg = dataclasses.replace(best, **change)
-            label = cfg.label(name)
-            if label not in seen:
-                cfg.apply()
-                try:
-                    with torch.no_grad():
-                        ok = close(fn(**inputs), ref_y)
-                    us = kernel_time_us(step, leaves)
-                except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result
-                    ok, us = False, float("nan")
-                    print(f"{name} fwd {label}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                seen[label] = (cfg, us, ok)
-                rows.append({"norm": name, "mode": "fwd", "cfg": label, **dataclasses.asdict(cfg), "us": us, "ok": ok})
-                print(f"{name:10s} fwd     {stage:11s} {label:70s} {us:8.1f} us {'' if ok else 'MISMATCH'}", flush=True)
-        ranked = sorted((v for v in seen.values() if v[2] and v[1] == v[1]), key=lambda v: v[1])
-        best = ranked[0][0] if ranked else best
-    start.apply()
+        for mode in ("fwd+bwd",):
+            best = sorted((r for r in rows if r["norm"] == name and r["mode"] == mode and r["ok"]), key=lambda r: r["us"])[:3]
+            print(f"best {name} {mode}: " + "; ".join(f"{b['us']:.1f} us ({b})" for b in best), flush=True)
     return rows
 
 
 if __name__ == "__main__":
-    import sys
-
-    parts = tuple(sys.argv[1:]) or ("fwd", "bwd")
-    if not set(parts) <= {"fwd", "bwd"}:
-        sys.exit(f"usage: python -m benchmarks.cases.norms [fwd] [bwd]  (default both), got {' '.join(parts)}")
-    sweep_norm_configs(parts)
+    sweep_norm_configs()

@@ -27,7 +27,7 @@ AFFINE = ["weight+bias", "weight", "bias", "none"]
 
 # The same row-shape sweep as RMSNorm: both kernels share RowConfig, so the regime boundaries
 # (in-register vs looped, MAX_FUSED_N) are the same.
-from test_rms_norm import SHAPES, _one_block_grid  # noqa: E402
+from test_rms_norm import SHAPES  # noqa: E402
 
 
 def _upcast(t):
@@ -122,84 +122,6 @@ def test_fp32_dweight_on_the_h200_grid(monkeypatch, device):
     cfg = rms_norm_module.RowConfig.backward(781, layer_norm_module.BWD_BLOCK_ELEMS, layer_norm_module.BWD_MAX_WARPS)
     assert rms_norm_module.backward_grid(1823, cfg, torch.device(device)) == (228, 8)
     _check(*_inputs((1823, 781), torch.float32, device))
-
-
-@pytest.mark.parametrize("stats", layer_norm_module._FWD_STATS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("mean", [0.5, 1e3])
-def test_fwd_stats_variants(stats, dtype, mean, monkeypatch, device):
-    """Every FWD_STATS variant, forward and backward against the fp64 reference: 300 columns
-    (chan: 37 full groups and a partial one, then padding groups), 9 rows in one block, and
-    |mean| >> std as in test_large_mean."""
-    monkeypatch.setattr(layer_norm_module, "FWD_STATS", stats)
-    _check(*_inputs((9, 300), dtype, device, seed=4, mean=mean))
-
-
-@pytest.mark.parametrize("stats", layer_norm_module._FWD_STATS)
-def test_fwd_stats_fp32_dweight_terms(stats, monkeypatch, device):
-    """The forward half of test_fp32_dweight_on_the_h200_grid for every FWD_STATS variant:
-    the backward's dweight is the exact sum of its fp32 terms dy * x_hat (checked there for the
-    default), and x_hat comes from the forward's mean and rstd; here those terms, summed in
-    fp64, against the fp64 reference at the fp32 tolerance. "two_pass" failed this before the
-    interpreter reduced its two operands in a tree (1.04 of the tolerance; now 0.29, three_pass
-    0.28, chan 0.36): see _layer_norm_fwd_rows's TREE_EMU. (The backward is left out: 150 s in
-    the interpreter.)"""
-    monkeypatch.setattr(layer_norm_module, "FWD_STATS", stats)
-    x, w, b = _inputs((1823, 781), torch.float32, device)
-    y, mean, rstd = torch.ops.kprof.layer_norm_fwd(x, w, b, 1e-5)
-    assert_close(y, layer_norm_reference(*map(_upcast, (x, w, b)), 1e-5), msg="forward")
-    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1234)).to(device)
-    xc = x - mean[:, None]
-    terms = dy * ((xc - xc.mean(-1, keepdim=True)) * rstd[:, None])  # the backward's x_hat
-    xd = x.double()
-    x_hat_ref = (xd - xd.mean(-1, keepdim=True)) * (xd.var(-1, unbiased=False, keepdim=True) + 1e-5).rsqrt()
-    assert_close(terms.double().sum(0).float(), (dy.double() * x_hat_ref).sum(0), msg="dweight from the forward's stats")
-
-
-def _layer_norm_fwd(x, w, b, eps=1e-5):
-    return layer_norm_module._launch_fwd(x, w, b, eps)
-
-
-@pytest.mark.parametrize("stats", layer_norm_module._FWD_STATS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("per_sm, hints, block_elems", [(2, True, 4096), (1, False, 8192)])
-def test_persistent_forward(per_sm, hints, block_elems, dtype, stats, monkeypatch, device):
-    """FWD_PROGRAMS_PER_SM > 0 (the persistent grid with prefetch, with and without the cache
-    hints): 4 interpreter SMs x per_sm programs walk the row blocks of 37 x 781: 10 blocks of 4
-    rows over 8 programs (the last block, of 1 row, is program 1's second), or 5 blocks of 8
-    rows over 4 (program 0 also takes the last, of 5 rows). Every block runs the same code as
-    in the one-block grid, so y, mean and rstd are bitwise those of the default launch; y also
-    against the reference."""
-    monkeypatch.setattr(layer_norm_module, "FWD_STATS", stats)
-    monkeypatch.setattr(rms_norm_module, "FWD_BLOCK_ELEMS", block_elems)
-    _one_block_grid(monkeypatch)  # the reference launch, whatever the defaults
-    x, w, b = _inputs((37, 781), dtype, device, seed=7)
-    base = _layer_norm_fwd(x, w, b)
-    monkeypatch.setattr(rms_norm_module, "FWD_PROGRAMS_PER_SM", per_sm)
-    monkeypatch.setattr(rms_norm_module, "FWD_EVICT_FIRST", hints)
-    monkeypatch.setattr(rms_norm_module, "FWD_STREAMING_STORES", hints)
-    cfg = rms_norm_module.RowConfig.forward(781)
-    assert cfg.block_m == block_elems // 1024
-    n_blocks = -(-37 // cfg.block_m)
-    assert rms_norm_module.forward_grid(37, cfg, torch.device(device)) == (min(n_blocks, 4 * per_sm), True)
-    got = _layer_norm_fwd(x, w, b)
-    for name, a, c in zip(("y", "mean", "rstd"), got, base):
-        assert torch.equal(a, c), name
-    assert_close(got[0], layer_norm_reference(*map(_upcast, (x, w, b)), 1e-5), dtype)
-
-
-@pytest.mark.parametrize("stats", layer_norm_module._FWD_STATS)
-def test_persistent_forward_idle_programs(stats, monkeypatch, device):
-    """More programs than blocks (forward_grid caps the grid, so only by hand): programs past
-    the last block prefetch nothing and store nothing; 11 x 300 without affine: 2 blocks of 8
-    rows (the second of 3) over 5 programs."""
-    monkeypatch.setattr(layer_norm_module, "FWD_STATS", stats)
-    x, _, _ = _inputs((11, 300), torch.float16, device, seed=8)
-    base = _layer_norm_fwd(x, None, None)
-    monkeypatch.setattr(layer_norm_module, "forward_grid", lambda n_rows, cfg, device: (-(-n_rows // cfg.block_m) + 3, True))
-    got = _layer_norm_fwd(x, None, None)
-    for a, c in zip(got, base):
-        assert torch.equal(a, c)
 
 
 @pytest.mark.parametrize("affine", AFFINE)
@@ -442,19 +364,12 @@ def test_kernels_compile_for_sm90():
 
     variants = []
     for cols, dtypes in ((4096, ("*bf16", "*fp32")), (MAX_FUSED_N + 1, ("*bf16",))):  # in-register, looped
-        f, b = rms_norm_module.RowConfig.forward(cols), rms_norm_module.RowConfig.backward(cols, layer_norm_module.BWD_BLOCK_ELEMS, layer_norm_module.BWD_MAX_WARPS)
+        f, b = layer_norm_module._forward_config(cols), rms_norm_module.RowConfig.backward(cols, layer_norm_module.BWD_BLOCK_ELEMS, layer_norm_module.BWD_MAX_WARPS)
         for dtype in dtypes:
-            vec = 16 // (2 if dtype == "*bf16" else 4)
             for affine in (True, False):
-                # Every FWD_STATS variant, with the default launch and (affine only) with the
-                # persistent grid, prefetch and cache hints; the looped path ignores both.
-                for stats in layer_norm_module._FWD_STATS if not f.loop else ("three_pass",):
-                    for persistent in (False, True) if affine else (False,):
-                        hints = ("evict_first", ".cs") if persistent else ("", "")
-                        variants.append(("_layer_norm_fwd_kernel", dtype, dict(
-                            HAS_WEIGHT=affine, HAS_BIAS=affine, LOOP=f.loop, EMULATE_RTNE=False, TREE_EMU=False,
-                            FAST=True, STATS=stats, VEC=vec, PERSISTENT=persistent, EVICT=hints[0], STORE_CM=hints[1],
-                            BLOCK_M=f.block_m, BLOCK_N=f.block_n), f.num_warps))
+                variants.append(("_layer_norm_fwd_kernel", dtype, dict(
+                    HAS_WEIGHT=affine, HAS_BIAS=affine, LOOP=f.loop, EMULATE_RTNE=False, TREE_EMU=False,
+                    BLOCK_M=f.block_m, BLOCK_N=f.block_n), f.num_warps))
                 for acc64 in (True, False):  # HALF_DW_ACC_FP64 both ways
                     variants.append(("_layer_norm_bwd_kernel", dtype, dict(
                         HAS_WEIGHT=affine, COMPUTE_DW=affine, COMPUTE_DB=affine, LOOP=b.loop, EMULATE_RTNE=False,

@@ -191,75 +191,6 @@ def test_looped_path_small(dtype, mode, residual, monkeypatch, device):
     assert_close(y, rms_norm_reference(_upcast(x + r), _upcast(w), casting=casting, offset=offset), dtype)
 
 
-def _one_block_grid(monkeypatch):
-    """Today's forward launch (one block per program, no cache hints), the persistent tests' baseline."""
-    for knob, value in (("FWD_PROGRAMS_PER_SM", 0), ("FWD_EVICT_FIRST", False), ("FWD_STREAMING_STORES", False)):
-        monkeypatch.setattr(rms_norm_module, knob, value)
-
-
-def _fwd(x, r, w, mode=("llama", 0.0)):
-    """(y, s, rstd) of the forward launcher; s is None without a residual."""
-    casting, offset = mode
-    return rms_norm_module._launch_fwd(x, r, w, 1e-5, offset, casting)
-
-
-@pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("mode", HF_MODES, ids=lambda m: f"{m[0]}+{m[1]:g}")
-@pytest.mark.parametrize("per_sm, hints, block_elems", [(2, True, 4096), (1, False, 8192)])
-@pytest.mark.parametrize("shape", [(37, 781), (300, 64)])
-def test_persistent_forward(shape, per_sm, hints, block_elems, mode, residual, monkeypatch, device):
-    """FWD_PROGRAMS_PER_SM > 0 (the persistent grid with prefetch of x and the residual, with and
-    without the cache hints), bf16: 4 interpreter SMs x per_sm programs walk the row blocks;
-    37 x 781 is 10 blocks of 4 rows over 8 programs (the last block, of 1 row, is program 1's
-    second) or 5 blocks of 8 over 4 (program 0 also takes the last, of 5 rows); 300 x 64 is 5
-    blocks of 64 rows (MAX_BLOCK_M; the last of 44) over 5 programs, or over 4 (program 0: 2).
-    Every block runs the same code as in the one-block grid, so y, the sum and rstd are bitwise
-    those of the default launch; y also against the reference."""
-    monkeypatch.setattr(rms_norm_module, "FWD_BLOCK_ELEMS", block_elems)
-    x, w = _inputs(shape, torch.bfloat16, device, offset=mode[1], seed=6)
-    r = torch.randn(shape, generator=torch.Generator().manual_seed(7)).to(device=device, dtype=torch.bfloat16) if residual else None
-    _one_block_grid(monkeypatch)  # the reference launch, whatever the defaults
-    base = _fwd(x, r, w, mode)
-    monkeypatch.setattr(rms_norm_module, "FWD_PROGRAMS_PER_SM", per_sm)
-    monkeypatch.setattr(rms_norm_module, "FWD_EVICT_FIRST", hints)
-    monkeypatch.setattr(rms_norm_module, "FWD_STREAMING_STORES", hints)
-    cfg = rms_norm_module.RowConfig.forward(shape[-1])
-    assert cfg.block_m == min(rms_norm_module.MAX_BLOCK_M, block_elems // cfg.block_n)
-    n_blocks = -(-shape[0] // cfg.block_m)
-    assert rms_norm_module.forward_grid(shape[0], cfg, torch.device(device)) == (min(n_blocks, 4 * per_sm), True)
-    got = _fwd(x, r, w, mode)
-    for name, a, c in zip(("y", "s", "rstd"), got, base):
-        assert (a is None and c is None) or torch.equal(a, c), name
-    s = x + r if residual else x
-    if residual:
-        assert torch.equal(got[1], s)
-    assert_close(got[0], rms_norm_reference(_upcast(s), _upcast(w), 1e-5, casting=mode[0], offset=mode[1]), torch.bfloat16)
-
-
-def test_persistent_forward_idle_programs(monkeypatch, device):
-    """More programs than blocks (forward_grid caps the grid, so only by hand): programs past
-    the last block prefetch nothing and store nothing (fused add, 11 x 300: 2 blocks of 8 rows,
-    the second of 3, over 5 programs)."""
-    x, w = _inputs((11, 300), torch.float16, device, seed=8)
-    r = torch.randn(11, 300).to(device=device, dtype=torch.float16)
-    base = _fwd(x, r, w)
-    monkeypatch.setattr(rms_norm_module, "forward_grid", lambda n_rows, cfg, device: (-(-n_rows // cfg.block_m) + 3, True))
-    for a, c in zip(_fwd(x, r, w), base):
-        assert torch.equal(a, c)
-
-
-def test_forward_knobs_key_the_config_cache(monkeypatch):
-    """RowConfig.forward is cached; the launch knobs are part of the key, so changing one at
-    run time (tests, the sweep) takes effect."""
-    before = rms_norm_module.RowConfig.forward(4096)
-    assert not before.loop and before.block_n == 4096
-    monkeypatch.setattr(rms_norm_module, "FWD_BLOCK_ELEMS", 8192)
-    monkeypatch.setattr(rms_norm_module, "FWD_NUM_WARPS", 4)
-    assert rms_norm_module.RowConfig.forward(4096) == rms_norm_module.RowConfig(2, 4096, 4, False)
-    monkeypatch.setattr(rms_norm_module, "MAX_FUSED_N", 2048)
-    assert rms_norm_module.RowConfig.forward(4096).loop
-
-
 @pytest.mark.parametrize("casting", ["llama", "gemma"])
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])
@@ -560,13 +491,9 @@ def test_kernels_compile_for_sm90():
         f, b = rms_norm_module.RowConfig.forward(cols), rms_norm_module.RowConfig.backward(cols)
         for dtype in dtypes:
             for resid, gemma in ((False, False), (True, True)):
-                # The default launch, and the persistent grid with its prefetch and cache hints
-                # (FWD_PROGRAMS_PER_SM, FWD_EVICT_FIRST, FWD_STREAMING_STORES).
-                for persistent, evict, store_cm in ((False, "", ""), (True, "evict_first", ".cs")):
-                    variants.append(("_rms_norm_fwd_kernel", dtype, dict(
-                        HAS_RESIDUAL=resid, GEMMA=gemma, LOOP=f.loop, EMULATE_RTNE=False,
-                        PERSISTENT=persistent, EVICT=evict, STORE_CM=store_cm,
-                        BLOCK_M=f.block_m, BLOCK_N=f.block_n), f.num_warps))
+                variants.append(("_rms_norm_fwd_kernel", dtype, dict(
+                    HAS_RESIDUAL=resid, GEMMA=gemma, LOOP=f.loop, EMULATE_RTNE=False,
+                    BLOCK_M=f.block_m, BLOCK_N=f.block_n), f.num_warps))
                 for acc64 in (True, False):  # HALF_DW_ACC_FP64 both ways
                     variants.append(("_rms_norm_bwd_kernel", dtype, dict(
                         HAS_DS=resid, LOOP=b.loop, EMULATE_RTNE=False, ACC_F64=acc64,
