@@ -270,6 +270,10 @@ LOOP_BLOCK_N = 4096
 # 2026-11-29 21:37 UTC, fp32 dw partials): 8192 elements x 8 warps x 2 programs/SM 181.5 us;
 # 16 warps (the old auto pick) 212.3; 4096 x 8 warps 197.9; 4 programs/SM 192.9. The forward
 # was flat (71-80 us at every setting). LayerNorm picks its own backward block (layer_norm.py).
+# Forward, re-swept 2026-11-30 02:10 (`normsweep-h200-20261130T0210-fwd.txt`, kernel time): 66.3 us
+# here, 65.7 at 8192 elements, 67.2 at 4 warps, 80.3 at 16; a persistent grid loading the next row
+# block before the current one's reduction 71.8-102 us (1-8 programs per SM), evict_first / .cs
+# hints +2 us. None kept. (LayerNorm's forward takes 4 warps: layer_norm._forward_config.)
 FWD_BLOCK_ELEMS = 4096
 BWD_BLOCK_ELEMS = 8192
 BWD_MAX_WARPS = 8
