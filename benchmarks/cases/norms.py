@@ -206,6 +206,7 @@ def sweep_norm_configs() -> list[dict]:
         # A swept warp count lifts the backward's cap; "auto" keeps each norm's default cap.
         _rms.BWD_MAX_WARPS, _ln.BWD_MAX_WARPS = (16, 16) if warps else defaults[4]
         _rms.RowConfig.forward.cache_clear()
+        _ln._forward_config.cache_clear()  # built on RowConfig.forward
         _rms.RowConfig.backward.cache_clear()
 
     rows = []
