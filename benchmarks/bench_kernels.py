@@ -3,11 +3,22 @@
     python benchmarks/bench_kernels.py [--only rms_norm,softmax] [--csv benchmarks/results/kernels.csv]
 
 Method (the device README's METHOD.md): correctness is checked before anything is timed; each
-timing is `triton.testing.do_bench(..., return_mode="median")` (it warms up and flushes L2
-between repeats); the issue shapes are all larger than the H200's 60 MB L2. The copy bandwidth
-is measured in the same run (a 2 GiB device-to-device copy, bytes read + written), and each
-kernel's floor is its minimal bytes (from its KernelSpec.cost) over that bandwidth. Peak extra
-memory is the allocator's peak during one forward+backward minus what was allocated before it.
+timing is a median from `triton.testing.do_bench(..., return_mode="median")` (it warms up and
+flushes L2 between repeats); the issue shapes are all larger than the H200's 60 MB L2. Three
+times per implementation and mode, all in the CSV:
+  median_us   do_bench of the Python call: wall time, host-bound on the lent VM for the short
+              kernels (its CPU spends ~12 us per aten op; benchmarks/host_overhead.py)
+  graph_us    one call captured in a CUDA graph, each replay timed alone: GPU time plus the
+              graph's launch latency (~4-6 us per replay on the H200, 2026-11-30)
+  graphn_us   `graph_calls` calls back to back in one graph, alternating between two input
+              sets, replay time / calls (METHOD.md: "capture a graph and time its replays";
+              triton.testing.do_bench_cudagraph does the same): the GPU time per call as a
+              training step sees it, with the launch latency paid once per replay
+pct_copy_bw, pct_of_floor, gbps and meets_target use the first of graphn_us, graph_us,
+median_us that was measured; `basis` names it. The copy bandwidth is measured in the same run
+(a 2 GiB device-to-device copy, bytes read + written), and each kernel's floor is its minimal
+bytes (from its KernelSpec.cost) over that bandwidth. Peak extra memory is the allocator's peak
+during one forward+backward minus what was allocated before it.
 
 Rows are appended to the CSV with GPU, versions and date; nothing in it is overwritten.
 """
@@ -18,6 +29,7 @@ import argparse
 import csv
 import datetime as dt
 import importlib
+import math
 import pkgutil
 import platform
 import sys
@@ -33,6 +45,8 @@ CSV_FIELDS = [
     "date", "gpu", "torch", "triton", "liger", "kernel", "case", "impl", "mode",
     "median_us", "graph_us", "floor_us", "pct_of_floor", "gbps", "pct_copy_bw", "peak_extra_mb",
     "target_us", "meets_target", "max_rel_err", "note",
+    # added 2026-11-30 (rows before have them empty): see the module docstring
+    "graphn_us", "graph_calls", "basis",
 ]
 
 
@@ -83,38 +97,51 @@ def _run_fwd_bwd(fn, inputs, grads):
     torch.autograd.backward(outs, grads[: len(outs)])
 
 
-def graph_time_us(step, leaves) -> float:
-    """Median time of one CUDA-graph replay of `step`: the GPU-side time with host launch
-    overhead removed (METHOD.md). do_bench's wall time can be host-bound on this machine's CPU
-    (an aten op costs ~12 us of host time there; benchmarks/host_overhead.py)."""
+def graph_time_us(steps, leaves, calls: int = 1) -> float:
+    """Median GPU time per call of `calls` calls captured back to back in one CUDA graph, call i
+    running steps[i % len(steps)] (one step per input set): replay time / calls (METHOD.md).
+    calls=1 is one call per replay, which also counts the graph's launch latency. do_bench's
+    wall time can be host-bound on this machine's CPU (an aten op costs ~12 us of host time
+    there; benchmarks/host_overhead.py)."""
     import triton.testing
+
+    def clear():
+        for t in leaves:
+            t.grad = None
 
     # A callable that synchronizes with the host cannot be captured, and a failed capture leaves
     # the CUDA RNG unusable for the rest of the process (seen 2026-11-29 with Liger's CE). Probe
     # for syncs first, outside any capture.
     torch.cuda.set_sync_debug_mode("error")
     try:
-        step()
+        for step in steps:
+            step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(3):
-            for t in leaves:
-                t.grad = None
-            step()
+            for step in steps:
+                clear()
+                step()
     torch.cuda.current_stream().wait_stream(s)
-    for t in leaves:
-        t.grad = None
+    clear()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        step()
-    t = triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median") * 1e3
+        for i in range(calls):
+            clear()  # each call's backward writes fresh grads: no accumulation kernel in the graph
+            steps[i % len(steps)]()
+    t = triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median") * 1e3 / calls
     del g
-    for t_ in leaves:
-        t_.grad = None
+    clear()
     return t
+
+
+def graph_calls(single_us: float) -> int:
+    """Calls per graph for graphn_us: ~2 ms of GPU work per replay (the launch latency, ~5 us,
+    under 0.3% of it), at least 2 (both input sets), at most 32."""
+    return max(2, min(32, math.ceil(2000.0 / max(single_us, 1.0))))
 
 
 def _grad_like(t: torch.Tensor) -> torch.Tensor:
@@ -185,6 +212,9 @@ def bench_case(case, copy_bw_gbps, mm_tflops, versions, rows):
 
     impls.update({f"kprof {k}": v for k, v in case.kprof_inplace_variants.items()})  # last: they clobber inputs
     inputs = case.make_inputs("cuda", torch.bfloat16)
+    # A second input set: graphn_us alternates between the two, so no call reads what the one
+    # before it left in L2 (the issue shapes are > L2 already; this makes it hold for any shape).
+    inputs2 = case.make_inputs("cuda", torch.bfloat16)
     results = {}
     for name, fn in impls.items():
         try:
@@ -200,11 +230,25 @@ def bench_case(case, copy_bw_gbps, mm_tflops, versions, rows):
             results[name] = {"err": err}
             continue
         r = {"err": err}
+
+        def graphed(mode, steps, leaves):
+            """graph_us and graphn_us of `steps` (one per input set) into r; a capture that fails
+            (e.g. a peer that syncs) is a note, not a crash."""
+            try:
+                r[mode + "_graph"] = graph_time_us(steps[:1], leaves)
+                r[mode + "_calls"] = graph_calls(r[mode + "_graph"])
+                r[mode + "_graphn"] = graph_time_us(steps, leaves, r[mode + "_calls"])
+            except Exception as e:  # noqa: BLE001
+                notes[name] = (notes.get(name, "") + f" {mode} graph capture failed: {type(e).__name__}")[:200]
+                torch.cuda.synchronize()
+
         leaves = _grad_leaves(inputs)
+        leaves2 = _grad_leaves(inputs2)
         r["fwd"] = triton.testing.do_bench(lambda: fn(**inputs), warmup=25, rep=200, return_mode="median") * 1e3
         if case.backward:
             outs = [o for o in _outputs(fn(**inputs)) if isinstance(o, torch.Tensor) and o.requires_grad]
             grads = [_grad_like(o) for o in outs]
+            grads2 = [_grad_like(o) for o in outs]
             del outs
             r["fwdbwd"] = triton.testing.do_bench(
                 lambda: _run_fwd_bwd(fn, inputs, grads), warmup=25, rep=200, grad_to_none=leaves, return_mode="median"
@@ -219,31 +263,30 @@ def bench_case(case, copy_bw_gbps, mm_tflops, versions, rows):
             r["peak_extra_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
             for t in leaves:
                 t.grad = None
-            try:
-                r["fwdbwd_graph"] = graph_time_us(lambda: _run_fwd_bwd(fn, inputs, grads), leaves)
-            except Exception as e:  # noqa: BLE001 - e.g. a peer that syncs cannot be captured
-                notes[name] = (notes.get(name, "") + f" graph capture failed: {type(e).__name__}")[:200]
-                torch.cuda.synchronize()
-            del grads
-        try:
-            r["fwd_graph"] = graph_time_us(lambda: fn(**inputs), [])
-        except Exception as e:  # noqa: BLE001
-            notes[name] = (notes.get(name, "") + f" graph capture failed: {type(e).__name__}")[:200]
-            torch.cuda.synchronize()
+            graphed("fwdbwd", [lambda: _run_fwd_bwd(fn, inputs, grads), lambda: _run_fwd_bwd(fn, inputs2, grads2)],
+                    leaves + leaves2)
+            del grads, grads2
+        graphed("fwd", [lambda: fn(**inputs), lambda: fn(**inputs2)], [])
         results[name] = r
 
     for name, r in results.items():
         for mode in ("fwd", "fwdbwd"):
             if mode not in r:
                 continue
-            t_us = r[mode]
+            basis = next(k for k in (mode + "_graphn", mode + "_graph", mode) if k in r)
+            t_us = r[basis]
             nbytes = fwd_bytes if mode == "fwd" else fb_bytes
             target = case.targets_us.get(mode)
+
+            def us(key):
+                return round(r[key], 2) if key in r else ""
+
             rows.append({
                 **versions,
                 "kernel": case.kernel, "case": case.label, "impl": name, "mode": mode,
-                "median_us": round(t_us, 2),
-                "graph_us": round(r[mode + "_graph"], 2) if mode + "_graph" in r else "",
+                "median_us": us(mode), "graph_us": us(mode + "_graph"),
+                "graphn_us": us(mode + "_graphn"), "graph_calls": r.get(mode + "_calls", ""),
+                "basis": {mode: "median_us", mode + "_graph": "graph_us", mode + "_graphn": "graphn_us"}[basis],
                 "floor_us": round(floors[mode], 2),
                 "pct_of_floor": round(100 * floors[mode] / t_us, 1),
                 "gbps": round(nbytes / (t_us * 1e-6) / 1e9, 1),
@@ -257,7 +300,7 @@ def bench_case(case, copy_bw_gbps, mm_tflops, versions, rows):
         if name not in results:
             rows.append({**versions, "kernel": case.kernel, "case": case.label, "impl": name, "mode": "",
                          "note": note})
-    del inputs
+    del inputs, inputs2
     torch.cuda.empty_cache()
 
 
@@ -308,6 +351,7 @@ def main(argv=None) -> int:
 
 def _flush(rows, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
+    _upgrade_header(path)
     new = not path.exists()
     with path.open("a", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
@@ -317,6 +361,22 @@ def _flush(rows, path: Path) -> None:
             w.writerow({k: r.get(k, "") for k in CSV_FIELDS})
 
 
+def _upgrade_header(path: Path) -> None:
+    """Columns are only ever appended to CSV_FIELDS: give an older file the new header line, its
+    rows untouched (shorter rows read back with the new columns empty)."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    old = next(csv.reader(lines[:1]), [])
+    if old == CSV_FIELDS:
+        return
+    if old != CSV_FIELDS[: len(old)]:
+        raise SystemExit(f"{path}: its columns {old} are not a prefix of this script's {CSV_FIELDS}; "
+                         "write to a new file with --csv")
+    lines[0] = ",".join(CSV_FIELDS) + "\n"
+    path.write_text("".join(lines))
+
+
 def _print_table(path: Path, date: str) -> None:
     import pandas as pd
 
@@ -324,11 +384,14 @@ def _print_table(path: Path, date: str) -> None:
     df = df[(df["date"] == date) & df["mode"].isin(["fwd", "fwdbwd"])]
     if df.empty:
         return
-    piv = df.pivot_table(index=["case", "mode"], columns="impl", values="median_us", aggfunc="first")
-    gpiv = df.pivot_table(index=["case", "mode"], columns="impl", values="graph_us", aggfunc="first")
-    piv = piv.join(gpiv, rsuffix=" (graph)")
-    extra = df[df["impl"] == "kprof"].set_index(["case", "mode"])[["floor_us", "pct_copy_bw", "target_us", "meets_target"]]
+    # GPU time per call in a graph of back-to-back calls, per implementation; then kprof's other
+    # two timings (single replay, do_bench wall time) and the floor/target columns.
+    piv = df.pivot_table(index=["case", "mode"], columns="impl", values="graphn_us", aggfunc="first")
+    k = df[df["impl"] == "kprof"].set_index(["case", "mode"])
+    extra = k[["graph_us", "median_us", "floor_us", "pct_copy_bw", "target_us", "meets_target"]].rename(
+        columns={"graph_us": "kprof 1/replay", "median_us": "kprof do_bench"})
     with pd.option_context("display.width", 250, "display.max_columns", 20):
+        print("GPU us per call, back-to-back in a CUDA graph (graphn_us); pct_copy_bw and meets_target from it")
         print(piv.join(extra).round(1).to_string())
 
 

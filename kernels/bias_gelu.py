@@ -23,11 +23,13 @@ H200, bf16, FAST, EVEN; backward: row-loop body / 8 elements per thread, BLOCK_N
 forward: whole kernel / 16 elements per thread, BLOCK_N 4096, 8 warps):
                       silu         gelu tanh     gelu erf    registers (bwd)
     backward before   24.8         32.8          43.0        58-59
-    backward now      17.4         22.4          28.8        61-64 (cap 64: BWD_MAXNREG)
+    backward          17.4         22.4          28.8        61-64 (cap 64: BWD_MAXNREG)
     forward before    20.8         20.6          35.8
-    forward now       11.6         13.6          25.8
+    forward           11.6         13.6          25.8
+    erf tail t*P7(t)*phi (2026-11-30, glu._gelu_erf_parts): backward erf 25.8 (61 registers),
+    forward erf 23.8 (Numerical Recipes' exp(P9(t)) form needed a second exp and 2 more FFMAs)
 From: 1 / x as rcp.approx.ftz (`rcp_fast`, -4 per division), log2(e) and the constants folded
-into the exps' arguments (`exp2_fast`; erf: both exps share g^2), bf16 loads widened by shift and
+into the exps' arguments (`exp2_fast`), bf16 loads widened by shift and
 mask (`to_f32_fast`, -1 per element per tensor), pointers advanced per tile instead of an int64
 r * stride per tile (backward), the forward's grid 2-D instead of a runtime pid // n_col_blocks
 (`glu._tile`, -16 to -19 per program). ("backward now": Triton 3.9; 3.6 within 1 per element.)
