@@ -28,6 +28,8 @@ forward: whole kernel / 16 elements per thread, BLOCK_N 4096, 8 warps):
     forward           11.6         13.6          25.8
     erf tail t*P7(t)*phi (2026-11-30, glu._gelu_erf_parts): backward erf 25.8 (61 registers),
     forward erf 23.8 (Numerical Recipes' exp(P9(t)) form needed a second exp and 2 more FFMAs)
+    + fp32 dbias accumulator for bf16/fp16 (HALF_DBIAS_ACC_FP64): backward 17.1 / 21.4 / 25.5
+    (56-61 registers; 40 / 54 / 48 uncapped)
 From: 1 / x as rcp.approx.ftz (`rcp_fast`, -4 per division), log2(e) and the constants folded
 into the exps' arguments (`exp2_fast`), bf16 loads widened by shift and
 mask (`to_f32_fast`, -1 per element per tensor), pointers advanced per tile instead of an int64
@@ -101,6 +103,7 @@ def _bias_gelu_bwd_kernel(
     n_rows, n_cols,
     stride_dy, stride_x, stride_dx,
     ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, FAST: tl.constexpr,
+    ACC_F64: tl.constexpr,  # dbias accumulated in fp64 (fp32 inputs; HALF_DBIAS_ACC_FP64 for half ones)
 ):  # fmt: skip
     # grid = (column blocks, groups): this program owns columns [pid_n * BLOCK_N, +BLOCK_N) and
     # row tiles pid_g, pid_g + n_groups, ... (n_mine of them); it writes dx for them and one fp64
@@ -131,13 +134,19 @@ def _bias_gelu_bwd_kernel(
     dy_row = dy_ptr + first * stride_dy
     x_row = x_ptr + first * stride_x
     dx_row = dx_ptr + first * stride_dx
-    # dbias: fp64 accumulator. A plain fp32 one walking 20000 rows (H200 test, 4097 columns)
-    # drifted past the fp32 tolerance on columns whose dbias is near 0 (the error grows with the
-    # row count, not with |dbias|). Also measured on the H200 (2026-11-30, `glusweep-h200-
-    # 20261130T0122.txt`, 16384x16384 bf16 fwd+bwd): fp32 blocks of 4-32 tiles added into fp64
-    # (one FADD per element instead of F2F.F64.F32 + DADD) ran 722-756 us (tanh) against 660 us
-    # for the fp64 add every tile, and erf alike within 1%, so the plain fp64 loop stays.
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float64)
+    # dbias accumulator. fp32 inputs: fp64, since a plain fp32 one walking 20000 rows (H200 test,
+    # 4097 columns) drifted past the fp32 tolerance on columns whose dbias is near 0 (the error
+    # grows with the row count, not with |dbias|). Also measured on the H200 (2026-11-30,
+    # `glusweep-h200-20261130T0122.txt`, 16384x16384 bf16 fwd+bwd): fp32 blocks of 4-32 tiles
+    # added into fp64 ran 722-756 us (tanh) against 660 us for the fp64 add every tile, and erf
+    # alike within 1%. bf16/fp16 inputs: fp32 (HALF_DBIAS_ACC_FP64), as rms_norm's half dweight
+    # partials: the per-program sum over ~250 rows at 16384 rows (66 groups) carries ~1e-5
+    # relative error, 300x under a bf16 ulp of the result, and the partials are still summed in
+    # fp64. Per element it is one FADD for F2F.F64.F32 + DADD (F2F on the 16/clk/SM pipe).
+    if ACC_F64:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float64)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for _k in range(0, n_mine):
         mask = (row0 + m < n_rows) & col_mask[None, :]
         dy = _ld(dy_row + off_dy, mask, EVEN, FAST)
@@ -145,12 +154,12 @@ def _bias_gelu_bwd_kernel(
         _, da = act_and_grad(x + b[None, :], ACT, FAST)
         dx = dy * da  # masked lanes: dy = 0 -> dx = 0, so they add nothing to acc
         _st(dx_row + off_dx, dx, mask, EVEN)
-        acc += dx.to(tl.float64)
+        acc += dx.to(acc.dtype)
         dy_row += step_dy
         x_row += step_x
         dx_row += step_dx
         row0 += step
-    tl.store(part_ptr + pid_g.to(tl.int64) * n_cols + cols, tl.sum(acc, axis=0), mask=col_mask)
+    tl.store(part_ptr + pid_g.to(tl.int64) * n_cols + cols, tl.sum(acc, axis=0).to(tl.float64), mask=col_mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,6 +184,8 @@ BWD_WARPS: int | None = 8
 # for the fourth). Capped at 64: no spills at the default tile (the sm_90 compile test checks).
 # H200 sweep (2026-11-30): erf fwd+bwd 780 -> 769 us with the cap, tanh 660 either way.
 BWD_MAXNREG: int | None = 64
+# fp64 dbias accumulation also for bf16/fp16 inputs (fp32 inputs always take fp64; see the kernel).
+HALF_DBIAS_ACC_FP64 = False
 
 
 def _bwd_plan(n_rows: int, n_cols: int) -> tuple[int, int, int]:
@@ -265,7 +276,7 @@ def _bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, act: int) -> tup
         _bias_gelu_bwd_kernel[(n_col_blocks, n_groups)](
             dy2, x2, b, dx, partial, n_rows, n, sdy, sx, n,
             ACT=act, BLOCK_M=bm, BLOCK_N=bn, EVEN=n_rows % bm == 0 and n % bn == 0, FAST=fast_math(x),
-            num_warps=warps, maxnreg=BWD_MAXNREG,
+            ACC_F64=x.dtype == torch.float32 or HALF_DBIAS_ACC_FP64, num_warps=warps, maxnreg=BWD_MAXNREG,
         )  # fmt: skip
     # Second level: a fixed-order fp64 sum over n_groups partial rows (deterministic), then one
     # rounding to bias's dtype. Partial traffic at 16384x16384 bf16: 66 groups x 16384 x 8 bytes =

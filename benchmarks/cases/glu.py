@@ -181,7 +181,7 @@ CASES: list[Case] = [
 
 # --- launch-config sweep for bias + GELU's backward (run on the GPU; not part of CASES) --------
 
-_BWD_KNOBS = ("BWD_TILE", "BWD_WARPS", "_PROGRAMS_PER_SM", "BWD_MAXNREG")
+_BWD_KNOBS = ("BWD_TILE", "BWD_WARPS", "_PROGRAMS_PER_SM", "BWD_MAXNREG", "HALF_DBIAS_ACC_FP64")
 
 
 def _resident_regs(per_sm: int, warps: int) -> int | None:
@@ -199,8 +199,9 @@ def _bwd_configs() -> list[dict]:
     import itertools
 
     configs = [
-        {"BWD_TILE": tile, "BWD_WARPS": warps, "_PROGRAMS_PER_SM": per_sm, "BWD_MAXNREG": _resident_regs(per_sm, warps)}
-        for tile, warps, per_sm in itertools.product((1024, 2048, 4096), (4, 8), (4, 8, 16))
+        {"BWD_TILE": tile, "BWD_WARPS": warps, "_PROGRAMS_PER_SM": per_sm, "BWD_MAXNREG": _resident_regs(per_sm, warps),
+         "HALF_DBIAS_ACC_FP64": f64}
+        for tile, warps, per_sm, f64 in itertools.product((1024, 2048, 4096), (4, 8), (4, 8), (False, True))
     ]
     configs += [{"BWD_MAXNREG": None}]
     return configs
