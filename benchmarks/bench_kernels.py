@@ -13,7 +13,8 @@ times per implementation and mode, all in the CSV:
   graphn_us   `graph_calls` calls back to back in one graph, alternating between two input
               sets, replay time / calls (METHOD.md: "capture a graph and time its replays";
               triton.testing.do_bench_cudagraph does the same): the GPU time per call as a
-              training step sees it, with the launch latency paid once per replay
+              training step sees it, with the launch latency paid once per replay; the median
+              of three do_bench medians, graphn_spread_us their range (the noise floor)
 pct_copy_bw, pct_of_floor, gbps and meets_target use the first of graphn_us, graph_us,
 median_us that was measured; `basis` names it. The copy bandwidth is measured in the same run
 (a 2 GiB device-to-device copy, bytes read + written), and each kernel's floor is its minimal
@@ -46,7 +47,7 @@ CSV_FIELDS = [
     "median_us", "graph_us", "floor_us", "pct_of_floor", "gbps", "pct_copy_bw", "peak_extra_mb",
     "target_us", "meets_target", "max_rel_err", "note",
     # added 2026-11-30 (rows before have them empty): see the module docstring
-    "graphn_us", "graph_calls", "basis",
+    "graphn_us", "graph_calls", "basis", "graphn_spread_us",
 ]
 
 
@@ -97,8 +98,8 @@ def _run_fwd_bwd(fn, inputs, grads):
     torch.autograd.backward(outs, grads[: len(outs)])
 
 
-def graph_time_us(steps, leaves, calls: int = 1) -> float:
-    """Median GPU time per call of `calls` calls captured back to back in one CUDA graph, call i
+def graph_time_us(steps, leaves, calls: int = 1) -> tuple[float, float]:
+    """(median, spread of three medians) of the GPU time per call of `calls` calls captured back to back in one CUDA graph, call i
     running steps[i % len(steps)] (one step per input set): replay time / calls (METHOD.md).
     calls=1 is one call per replay, which also counts the graph's launch latency. do_bench's
     wall time can be host-bound on this machine's CPU (an aten op costs ~12 us of host time
@@ -132,10 +133,13 @@ def graph_time_us(steps, leaves, calls: int = 1) -> float:
         for i in range(calls):
             clear()  # each call's backward writes fresh grads: no accumulation kernel in the graph
             steps[i % len(steps)]()
-    t = triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median") * 1e3 / calls
+    # Three do_bench medians of the same graph: their spread is the noise floor of a comparison
+    # (METHOD.md: a difference smaller than the spread of two timings of one version is noise).
+    ts = sorted(triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median") * 1e3 / calls
+                for _ in range(3))
     del g
     clear()
-    return t
+    return ts[1], ts[2] - ts[0]
 
 
 def graph_calls(single_us: float) -> int:
@@ -235,9 +239,9 @@ def bench_case(case, copy_bw_gbps, mm_tflops, versions, rows):
             """graph_us and graphn_us of `steps` (one per input set) into r; a capture that fails
             (e.g. a peer that syncs) is a note, not a crash."""
             try:
-                r[mode + "_graph"] = graph_time_us(steps[:1], leaves)
+                r[mode + "_graph"] = graph_time_us(steps[:1], leaves)[0]
                 r[mode + "_calls"] = graph_calls(r[mode + "_graph"])
-                r[mode + "_graphn"] = graph_time_us(steps, leaves, r[mode + "_calls"])
+                r[mode + "_graphn"], r[mode + "_spread"] = graph_time_us(steps, leaves, r[mode + "_calls"])
             except Exception as e:  # noqa: BLE001
                 notes[name] = (notes.get(name, "") + f" {mode} graph capture failed: {type(e).__name__}")[:200]
                 torch.cuda.synchronize()
@@ -286,6 +290,7 @@ def bench_case(case, copy_bw_gbps, mm_tflops, versions, rows):
                 "kernel": case.kernel, "case": case.label, "impl": name, "mode": mode,
                 "median_us": us(mode), "graph_us": us(mode + "_graph"),
                 "graphn_us": us(mode + "_graphn"), "graph_calls": r.get(mode + "_calls", ""),
+                "graphn_spread_us": us(mode + "_spread"),
                 "basis": {mode: "median_us", mode + "_graph": "graph_us", mode + "_graphn": "graphn_us"}[basis],
                 "floor_us": round(floors[mode], 2),
                 "pct_of_floor": round(100 * floors[mode] / t_us, 1),
@@ -388,8 +393,8 @@ def _print_table(path: Path, date: str) -> None:
     # two timings (single replay, do_bench wall time) and the floor/target columns.
     piv = df.pivot_table(index=["case", "mode"], columns="impl", values="graphn_us", aggfunc="first")
     k = df[df["impl"] == "kprof"].set_index(["case", "mode"])
-    extra = k[["graph_us", "median_us", "floor_us", "pct_copy_bw", "target_us", "meets_target"]].rename(
-        columns={"graph_us": "kprof 1/replay", "median_us": "kprof do_bench"})
+    extra = k[["graphn_spread_us", "graph_us", "median_us", "floor_us", "pct_copy_bw", "target_us", "meets_target"]].rename(
+        columns={"graphn_spread_us": "kprof spread", "graph_us": "kprof 1/replay", "median_us": "kprof do_bench"})
     with pd.option_context("display.width", 250, "display.max_columns", 20):
         print("GPU us per call, back-to-back in a CUDA graph (graphn_us); pct_copy_bw and meets_target from it")
         print(piv.join(extra).round(1).to_string())

@@ -184,6 +184,11 @@ BWD_WARPS: int | None = 8
 # for the fourth). Capped at 64: no spills at the default tile (the sm_90 compile test checks).
 # H200 sweep (2026-11-30): erf fwd+bwd 780 -> 769 us with the cap, tanh 660 either way.
 BWD_MAXNREG: int | None = 64
+# Forward launch: elements per program (None: StreamConfig.TILE, 4096) and register cap (None:
+# ptxas's choice; the erf forward takes 38 registers, so 6 of its 8-warp programs fit an SM where
+# tanh's 32 fit 8). Swept by benchmarks.cases.glu (bias_gelu_fwd).
+FWD_TILE: int | None = None
+FWD_MAXNREG: int | None = None
 # fp64 dbias accumulation also for bf16/fp16 inputs (fp32 inputs always take fp64; see the kernel).
 HALF_DBIAS_ACC_FP64 = False
 
@@ -249,11 +254,12 @@ def _fwd(x: torch.Tensor, bias: torch.Tensor, act: int) -> torch.Tensor:
     n_rows = numel // n
     x2, sx = _rows(x, n)
     b = bias if bias.is_contiguous() else bias.contiguous()
-    grid, bm, bn, warps = _launch_plan(n_rows, n)
+    grid, bm, bn, warps = _launch_plan(n_rows, n, FWD_TILE)
     with device_ctx(x):
         _bias_gelu_fwd_kernel[grid](
             x2, b, y, n_rows, n, sx, n,
             ACT=act, BLOCK_M=bm, BLOCK_N=bn, EVEN=n_rows % bm == 0 and n % bn == 0, FAST=fast_math(x), num_warps=warps,
+            maxnreg=FWD_MAXNREG,
         )  # fmt: skip
     return y
 

@@ -260,6 +260,45 @@ def sweep_bias_gelu() -> list[dict]:
     return rows
 
 
+def sweep_bias_gelu_fwd(tiles=(2048, 4096, 8192), caps=(None, 32)) -> list[dict]:
+    """GPU kernel time (torch.profiler, as sweep_bias_gelu) of bias + GELU's forward, tanh and
+    erf, over elements per program (`bias_gelu.FWD_TILE`; 8 warps from 4096 up, else 4) and the
+    register cap (`FWD_MAXNREG`: 32 lets 8 programs of 8 warps share an SM), each checked bitwise
+    against the default (the launch changes no value). `python -m benchmarks.cases.glu bias_gelu_fwd`."""
+    from benchmarks.cases.norms import kernel_time_us
+    from kprof.kernels import registry
+
+    defaults = (_bg.FWD_TILE, _bg.FWD_MAXNREG)
+
+    def use(tile, cap):
+        _bg.FWD_TILE, _bg.FWD_MAXNREG = tile, cap
+
+    rows = []
+    try:
+        for problem in (_BIAS_TANH, _BIAS_ERF):
+            approx = problem["approximate"]
+            fwd_bytes = registry.get("bias_gelu").cost(**problem)["fwd"].bytes
+            inputs = _bias_inputs(approx)("cuda", torch.bfloat16)
+            use(*defaults)
+            with torch.no_grad():
+                ref = _bg.bias_gelu(**inputs)
+            for tile in tiles:
+                for cap in caps:
+                    use(tile, cap)
+                    with torch.no_grad():
+                        ok = torch.equal(_bg.bias_gelu(**inputs), ref)
+                        us = kernel_time_us(lambda: _bg.bias_gelu(**inputs), [])
+                    pct = 100 * fwd_bytes / (us * 1e-6) / _H200_COPY_BW
+                    rows.append({"act": approx, "tile": tile, "maxnreg": cap, "us": us, "pct": pct, "ok": ok})
+                    print(f"bias_gelu {approx:4s} fwd tile={tile:5d} maxnreg={cap} {us:7.1f} us {pct:5.1f}% "
+                          f"{'' if ok else 'MISMATCH'}", flush=True)
+            inputs = ref = None
+            torch.cuda.empty_cache()
+    finally:
+        use(*defaults)
+    return rows
+
+
 def sweep_glu_tiles(tiles=(1024, 2048, 4096, 8192)) -> list[dict]:
     """GPU kernel time (torch.profiler, as sweep_bias_gelu) of kprof's SwiGLU and GeGLU(tanh)
     fwd and fwd+bwd at the issue's 8192x11008 over the streaming tile (`glu.GLU_TILE`: elements
@@ -308,5 +347,7 @@ if __name__ == "__main__":
     what = sys.argv[1:] or ["bias_gelu"]
     if "bias_gelu" in what:
         sweep_bias_gelu()
+    if "bias_gelu_fwd" in what:
+        sweep_bias_gelu_fwd()
     if "glu_tiles" in what:
         sweep_glu_tiles()
