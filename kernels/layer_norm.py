@@ -6,13 +6,16 @@ in x's dtype (the weight and bias may be another float dtype, as under autocast)
 Napkin math, H200 (4.27 TB/s measured copy bandwidth), bf16, x of 16384 x 4096 (128 MiB):
   forward:  read x, write y                 = 2 x 134.2 MB = 268 MB -> floor  63 us
   backward: read x, dy; write dx            = 3 x 134.2 MB = 403 MB -> floor  94 us
-            (+ mean and rstd 2 x 64 KB, the fp64 dweight and dbias partials 2 x 264 x 4096 x 8 B
-            = 17.3 MB, written and read once)
-  targets 70 / 200 us fwd / fwd+bwd. As in rms_norm, the backward is one pass: each program
-  of a persistent grid walks a contiguous chunk of rows, keeps its dweight and dbias partial
-  sums in registers and writes them once; a small torch reduction sums the partials. No
-  atomics: bitwise deterministic on a given device. For fp32 inputs the partial sums are fp64
-  (see rms_norm: fp32 ones failed fp32 dweight against the fp64 reference at 16384x4096 on the
+            (+ the mean pair and rstd 3 x 64 KB, the dweight and dbias partials 2 x 264 x 4096
+            x 4 B = 8.7 MB for half inputs (fp64 for fp32 ones: 17.3 MB), written and read once)
+  targets 70 / 200 us fwd / fwd+bwd; measured 73.5 / 225 us (H200, CUDA-graph replay,
+  2026-11-30 02:36), the backward ~150 us of it. As in rms_norm, the backward is one pass: each
+  program of a persistent grid walks a contiguous chunk of rows, keeps its dweight and dbias
+  partial sums in registers and writes them once; one small kernel (rms_norm.sum_partials)
+  sums the partials of both and writes them in the parameters' dtypes. No atomics: bitwise
+  deterministic on a given device. The forward saves the mean as an fp32 hi/lo pair so the
+  backward's row reduction has two operands, not three (BWD_MEAN_LO). For fp32 inputs the
+  partial sums are fp64 (see rms_norm: fp32 ones failed fp32 dweight against the fp64 reference at 16384x4096 on the
   H200; half inputs take fp32 per-program partials, rms_norm.HALF_DW_ACC_FP64), so
   dweight and dbias are the exact sums of the kernel's fp32 terms, rounded once. Register cost
   (sm_90 ptxas, Triton 3.9, bf16, weight and bias): spill 40 -> 0 B per thread at 781 columns,
@@ -23,8 +26,13 @@ The launch configuration (`RowConfig`, the persistent grid) is shared with rms_n
 norms are tuned in one place. Rows up to MAX_FUSED_N are held in registers (x read once);
 wider rows loop over column tiles and read x three times in the forward (mean, variance,
 output: a corrected two-pass variance, not sum-of-squares, for accuracy when |mean| >> std)
-and twice in
-the backward.
+and twice in the backward.
+
+Knobs (module attributes, read at each launch; `python -m benchmarks.cases.norms ln_bwd`
+compares them on a GPU): BWD_BLOCK_ELEMS / BWD_MAX_WARPS (the backward's block), BWD_MEAN_LO
+(two-operand backward reduction from the saved mean pair), BWD_PREFETCH (next row block's
+loads before this one's math), BWD_MAXNREG (register cap); in rms_norm, shared: HALF_DW_ACC_FP64, HALF_PARTIALS_FP32,
+PARTIALS_SUM_KERNEL and its tile (PARTIALS_*), BWD_PROGRAMS_PER_SM.
 """
 
 import dataclasses
@@ -41,7 +49,16 @@ from torch import nn
 from kprof.errors import KprofError
 from kprof.kernels._common import interpreter_enabled, use_triton, via_custom_op, warn_fallback
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
-from kprof.kernels.rms_norm import MAX_FUSED_N, RowConfig, _acc_zeros, _cast, backward_grid, dw_acc_f64
+from kprof.kernels.rms_norm import (
+    MAX_FUSED_N,
+    RowConfig,
+    _acc_zeros,
+    _cast,
+    backward_grid,
+    dw_acc_f64,
+    partials_dtype,
+    sum_partials,
+)
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -57,6 +74,36 @@ def _add2(a0, a1, b0, b1):
 
 
 @triton.jit
+def _add3(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, a1 + b1, a2 + b2
+
+
+@triton.jit
+def _row_sums2(a, b, TREE_EMU: tl.constexpr):
+    """(sum(a, axis=1), sum(b, axis=1)) as one two-operand reduction (one shuffle + shared-memory
+    round for both), or two tl.sum under the interpreter (TREE_EMU: see the forward)."""
+    if TREE_EMU:
+        sa, sb = tl.sum(a, axis=1), tl.sum(b, axis=1)
+    else:
+        sa, sb = tl.reduce((a, b), 1, _add2)
+    return sa, sb
+
+
+@triton.jit
+def _store_mean_pair(MEAN, rows, row_mask, n_rows, mean0, corr):
+    """Store the row means as an fp32 pair: MEAN[rows] = hi = fp32(mean0 + corr), the mean as
+    before, and MEAN[n_rows + rows] = lo with hi + lo == mean0 + corr exactly (Knuth's TwoSum:
+    no condition on the magnitudes, no multiply for FMA contraction to touch). The backward's
+    x - hi - lo is then as accurate as the forward's (x - mean0) - corr, where x - hi alone is
+    off by up to ulp(hi) / 2 (3e-5 at |mean| 1000, 1.5e-5 of a std of 2)."""
+    hi = mean0 + corr
+    b = hi - mean0
+    lo = (mean0 - (hi - b)) + (corr - b)
+    tl.store(MEAN + rows, hi, mask=row_mask)
+    tl.store(MEAN + n_rows + rows, lo, mask=row_mask)
+
+
+@triton.jit
 def _layer_norm_fwd_kernel(
     X, W, B, Y, MEAN, RSTD,
     stride_x, stride_y,
@@ -69,8 +116,10 @@ def _layer_norm_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """y = (x - mean) * rstd [* w] [+ b] for BLOCK_M rows per program, all in fp32; mean and
-    rstd (fp32, one per row) are saved for the backward."""
+    """y = (x - mean) * rstd [* w] [+ b] for BLOCK_M rows per program, all in fp32; the mean
+    (an fp32 hi/lo pair: MEAN[0:n_rows], MEAN[n_rows:2 n_rows], _store_mean_pair) and rstd (fp32)
+    of each row are saved for the backward (the launcher's stats tensor [3, n_rows]; RSTD = its
+    third row)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < n_rows
@@ -95,19 +144,15 @@ def _layer_norm_fwd_kernel(
         # 73.3 us at 8 warps, 68.1 -> 67.3 at 4 (_forward_config). (A one-reduction variant,
         # per-thread mean and M2 merged by Chan's update, ran 81-85 us; persistent grids with a
         # next-row prefetch 75-113 us, and evict_first / .cs hints +2 us: all dropped.)
-        if TREE_EMU:
-            # The interpreter (3.9) runs a combine_fn reduction element by element in sequence
-            # (tl.sum is numpy's pairwise sum): at 1823 x 781 fp32 that made this rstd 5x less
-            # accurate on the CPU than the GPU's tree (2.2e-7 vs 2.3e-8 relative, emulated), and
-            # test_fp32_dweight_on_the_h200_grid failed there (1.04 of the fp32 tolerance).
-            s_xc, s_xc2 = tl.sum(xc, axis=1), tl.sum(xc * xc, axis=1)
-        else:
-            s_xc, s_xc2 = tl.reduce((xc, xc * xc), 1, _add2)
+        # TREE_EMU: the interpreter (3.9) runs a combine_fn reduction element by element in
+        # sequence (tl.sum is numpy's pairwise sum): at 1823 x 781 fp32 that made this rstd 5x
+        # less accurate on the CPU than the GPU's tree (2.2e-7 vs 2.3e-8 relative, emulated), and
+        # test_fp32_dweight_on_the_h200_grid failed there (1.04 of the fp32 tolerance).
+        s_xc, s_xc2 = _row_sums2(xc, xc * xc, TREE_EMU)
         corr = s_xc / n_cols
-        mean += corr
         xc = tl.where(mask, xc - corr[:, None], 0.0)
         rstd = tl.rsqrt(tl.where(row_mask, s_xc2 / n_cols - corr * corr + eps, 1.0))  # padding rows: finite
-        tl.store(MEAN + rows, mean, mask=row_mask)
+        _store_mean_pair(MEAN, rows, row_mask, n_rows, mean, corr)
         tl.store(RSTD + rows, rstd, mask=row_mask)
         y = xc * rstd[:, None]
         if HAS_WEIGHT:
@@ -135,7 +180,7 @@ def _layer_norm_fwd_kernel(
         corr = tl.sum(acc, axis=1) / n_cols
         var = tl.sum(acc_sq, axis=1) / n_cols - corr * corr
         rstd = tl.rsqrt(tl.where(row_mask, var + eps, 1.0))  # padding rows: finite, never stored
-        tl.store(MEAN + rows, mean + corr, mask=row_mask)
+        _store_mean_pair(MEAN, rows, row_mask, n_rows, mean, corr)
         tl.store(RSTD + rows, rstd, mask=row_mask)
         for start in range(0, n_cols, BLOCK_N):  # pass 3: output
             cols = start + tl.arange(0, BLOCK_N)
@@ -151,8 +196,15 @@ def _layer_norm_fwd_kernel(
 
 
 @triton.jit
-def _add3(a0, a1, a2, b0, b1, b2):
-    return a0 + b0, a1 + b1, a2 + b2
+def _load_rows(DY, X, stride_dy, stride_x, row0, row_end, cols, col_mask, BLOCK_M: tl.constexpr):
+    """dy and x of rows [row0, row0 + BLOCK_M) (those before row_end), in their own dtype: a
+    prefetched block is held as bf16, half the registers of fp32."""
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rows64 = rows.to(tl.int64)  # row * stride overflows int32 past 2^31 elements
+    mask = (rows < row_end)[:, None] & col_mask[None, :]
+    dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    return dy, x
 
 
 @triton.jit
@@ -166,6 +218,9 @@ def _layer_norm_bwd_kernel(
     LOOP: tl.constexpr,
     EMULATE_RTNE: tl.constexpr,
     ACC_F64: tl.constexpr,  # dw/db partials in fp64 (else fp32): kprof.kernels.rms_norm.HALF_DW_ACC_FP64
+    MEAN_LO: tl.constexpr,  # x_hat from the saved mean pair, two row sums (BWD_MEAN_LO); else re-centered, three
+    TREE_EMU: tl.constexpr,  # interpreter only: multi-operand reductions as separate tl.sum (see the forward)
+    PREFETCH: tl.constexpr,  # in-register path: load the next row block before this one's math (BWD_PREFETCH)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -174,7 +229,8 @@ def _layer_norm_bwd_kernel(
     With x_hat = (x - mean) * rstd and g = dy * w (dy without a weight):
         dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat))
         dw = sum over rows of dy * x_hat,  db = sum over rows of dy
-    (dw, db: this program's partial rows in DW_PART[pid, :], DB_PART[pid, :]).
+    (dw, db: this program's partial rows in DW_PART[pid, :], DB_PART[pid, :]). MEAN is the
+    forward's pair: mean = MEAN[rows] + MEAN[n_rows + rows] (_store_mean_pair).
     """
     pid = tl.program_id(0)
     row_start = pid * rows_per_program
@@ -187,31 +243,53 @@ def _layer_norm_bwd_kernel(
             w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
         dw_acc = _acc_zeros(BLOCK_N, ACC_F64)
         db_acc = _acc_zeros(BLOCK_N, ACC_F64)
+        if PREFETCH:
+            dy_next, x_next = _load_rows(DY, X, stride_dy, stride_x, row_start, row_end, cols, col_mask, BLOCK_M)
         for row0 in range(row_start, row_end, BLOCK_M):
             rows = row0 + tl.arange(0, BLOCK_M)
             row_mask = rows < row_end
             rows64 = rows.to(tl.int64)
             mask = row_mask[:, None] & col_mask[None, :]
-            dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if PREFETCH:
+                # The next block's loads go out before this block's reduction and its barrier:
+                # ~2 blocks in flight per program at 2 programs per SM (the last one's are masked
+                # off: rows >= row_end). Costs the prefetched block's registers (bf16).
+                dy, x = dy_next.to(tl.float32), x_next.to(tl.float32)
+                dy_next, x_next = _load_rows(DY, X, stride_dy, stride_x, row0 + BLOCK_M, row_end, cols, col_mask, BLOCK_M)
+            else:
+                dy, x = _load_rows(DY, X, stride_dy, stride_x, row0, row_end, cols, col_mask, BLOCK_M)
+                dy, x = dy.to(tl.float32), x.to(tl.float32)
             mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
             rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-            # The saved fp32 mean is rounded (ulp(|mean|) / 2 off: 3e-5 at 1000); re-center on
-            # the residuals' mean corr = mean(x - mean) as the forward did, or x_hat is off by that
-            # much / std. With xc = x - mean, x_hat = (xc - corr) * rstd and
-            # c1 = mean(g * x_hat) = rstd * (mean(g * xc) - corr * c2): the three row sums are
-            # independent, so they go through one multi-operand reduction (one shared-memory
-            # round trip and barrier per row block instead of three, two of them in sequence).
-            xc = tl.where(mask, x - mean[:, None], 0.0)
             if HAS_WEIGHT:
                 g = dy * w[None, :]
             else:
                 g = dy
-            s_xc, s_gxc, s_g = tl.reduce((xc, g * xc, g), 1, _add3)
-            corr = s_xc / n_cols
-            c2 = s_g / n_cols
-            c1 = (s_gxc / n_cols - corr * c2) * rstd
-            x_hat = (xc - corr[:, None]) * rstd[:, None]  # masked columns: dy = 0 there, no dw/db
+            if MEAN_LO:
+                # x - hi - lo is the forward's x - mean to within one rounding of the difference,
+                # so x_hat needs no re-centering sum: two row sums, not three. Padding: g = 0 on
+                # masked columns (no dx stored, no dw/db), x_hat = 0 on masked rows (rstd = 0).
+                lo = tl.load(MEAN + n_rows + rows, mask=row_mask, other=0.0)
+                x_hat = (x - mean[:, None] - lo[:, None]) * rstd[:, None]
+                s_gxh, s_g = _row_sums2(g * x_hat, g, TREE_EMU)
+                c2 = s_g / n_cols
+                c1 = s_gxh / n_cols
+            else:
+                # The rounded mean alone (BWD_MEAN_LO off: the 225 us code of 2026-11-30): re-center on the
+                # residuals' mean corr = mean(x - mean) as the forward did, or x_hat is off by
+                # ulp(|mean|) / 2 / std. With xc = x - mean, x_hat = (xc - corr) * rstd and
+                # c1 = mean(g * x_hat) = rstd * (mean(g * xc) - corr * c2): the three row sums are
+                # independent, so they go through one multi-operand reduction (one shared-memory
+                # round trip and barrier per row block instead of three, two of them in sequence).
+                xc = tl.where(mask, x - mean[:, None], 0.0)
+                if TREE_EMU:
+                    s_xc, s_gxc, s_g = tl.sum(xc, axis=1), tl.sum(g * xc, axis=1), tl.sum(g, axis=1)
+                else:
+                    s_xc, s_gxc, s_g = tl.reduce((xc, g * xc, g), 1, _add3)
+                corr = s_xc / n_cols
+                c2 = s_g / n_cols
+                c1 = (s_gxc / n_cols - corr * c2) * rstd
+                x_hat = (xc - corr[:, None]) * rstd[:, None]  # masked columns: dy = 0 there, no dw/db
             dx = (g - c2[:, None] - x_hat * c1[:, None]) * rstd[:, None]
             tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], _cast(dx, DX.dtype.element_ty, EMULATE_RTNE), mask=mask)
             # (Accumulating dw/db before the reductions, as rms_norm does, made ptxas spill 8 B
@@ -225,15 +303,17 @@ def _layer_norm_bwd_kernel(
         if COMPUTE_DB:
             tl.store(DB_PART + pid * n_cols + cols, db_acc, mask=col_mask)
     else:
-        # Phase A: per row, c1 = mean(g * x_hat), c2 = mean(g) and the mean's re-centering
-        # corr = mean(x - mean) (see the in-register branch), into the fp32 scratch
-        # C = [c1, c2, corr] (n_rows each). With xc = x - mean, x_hat = (xc - corr) * rstd, so
-        # c1 = rstd * (mean(g * xc) - corr * c2): one pass over the row.
+        # Phase A: per row, c1 = mean(g * x_hat) and c2 = mean(g) into the fp32 scratch
+        # C = [c1, c2(, corr)] (n_rows each). With xc = x - hi - lo (MEAN_LO), x_hat = xc * rstd;
+        # without lo, xc = x - hi and the re-centering corr = mean(xc) (see the in-register
+        # branch) is a third sum: x_hat = (xc - corr) * rstd, c1 = rstd * (mean(g * xc) - corr * c2).
+        # One pass over the row either way.
         for row0 in range(row_start, row_end, BLOCK_M):
             rows = row0 + tl.arange(0, BLOCK_M)
             row_mask = rows < row_end
-            rows64 = rows.to(tl.int64)
             mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+            if MEAN_LO:
+                lo = tl.load(MEAN + n_rows + rows, mask=row_mask, other=0.0)
             rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
             acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -241,22 +321,28 @@ def _layer_norm_bwd_kernel(
             for start in range(0, n_cols, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
                 col_mask = cols < n_cols
-                mask = row_mask[:, None] & col_mask[None, :]
-                dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                xc = tl.where(mask, x - mean[:, None], 0.0)
+                dy, x = _load_rows(DY, X, stride_dy, stride_x, row0, row_end, cols, col_mask, BLOCK_M)
+                dy, x = dy.to(tl.float32), x.to(tl.float32)
+                if MEAN_LO:
+                    xc = x - mean[:, None] - lo[:, None]  # padding: g = 0 there
+                else:
+                    xc = tl.where(row_mask[:, None] & col_mask[None, :], x - mean[:, None], 0.0)
+                    acc3 += xc
                 if HAS_WEIGHT:
                     g = dy * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
                 else:
                     g = dy
                 acc1 += g * xc
                 acc2 += g
-                acc3 += xc
             c2 = tl.sum(acc2, axis=1) / n_cols
-            corr = tl.sum(acc3, axis=1) / n_cols
-            tl.store(C + rows, rstd * (tl.sum(acc1, axis=1) / n_cols - corr * c2), mask=row_mask)
+            if MEAN_LO:
+                c1 = rstd * (tl.sum(acc1, axis=1) / n_cols)
+            else:
+                corr = tl.sum(acc3, axis=1) / n_cols
+                c1 = rstd * (tl.sum(acc1, axis=1) / n_cols - corr * c2)
+                tl.store(C + 2 * n_rows + rows, corr, mask=row_mask)
+            tl.store(C + rows, c1, mask=row_mask)
             tl.store(C + n_rows + rows, c2, mask=row_mask)
-            tl.store(C + 2 * n_rows + rows, corr, mask=row_mask)
         # C was written by other threads of this program: make it visible before reading.
         tl.debug_barrier()
         # Phase B: column tile outer, rows inner, so a tile's dw/db partials stay in registers.
@@ -272,14 +358,17 @@ def _layer_norm_bwd_kernel(
                 row_mask = rows < row_end
                 rows64 = rows.to(tl.int64)
                 mask = row_mask[:, None] & col_mask[None, :]
-                dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                dy, x = _load_rows(DY, X, stride_dy, stride_x, row0, row_end, cols, col_mask, BLOCK_M)
+                dy, x = dy.to(tl.float32), x.to(tl.float32)
                 mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
                 rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
                 c1 = tl.load(C + rows, mask=row_mask, other=0.0)
                 c2 = tl.load(C + n_rows + rows, mask=row_mask, other=0.0)
-                corr = tl.load(C + 2 * n_rows + rows, mask=row_mask, other=0.0)
-                x_hat = tl.where(mask, (x - mean[:, None] - corr[:, None]) * rstd[:, None], 0.0)
+                if MEAN_LO:  # the mean's second term: lo, or the re-centering corr
+                    shift = tl.load(MEAN + n_rows + rows, mask=row_mask, other=0.0)
+                else:
+                    shift = tl.load(C + 2 * n_rows + rows, mask=row_mask, other=0.0)
+                x_hat = tl.where(mask, (x - mean[:, None] - shift[:, None]) * rstd[:, None], 0.0)
                 if HAS_WEIGHT:
                     g = dy * w[None, :]
                 else:
@@ -308,6 +397,30 @@ def _layer_norm_bwd_kernel(
 # 227.1, 8192 x 8 246.7; 3 or 4 programs/SM 246-294. (Three separate reductions: 250.9 at best.)
 BWD_BLOCK_ELEMS = 8192
 BWD_MAX_WARPS = 4
+
+# x_hat from the forward's mean pair (hi + lo) with two row sums per row block, (g * x_hat, g),
+# instead of re-centering on the rounded mean with a third, mean(x - hi). Both are as accurate
+# (the tests run both); the pair drops one operand from the block's reduction (its shuffles and
+# shared-memory round: SHFL 42 -> 28, BAR 4 -> 3 per block) and the masking of xc. ptxas
+# (sm_90a, Triton 3.9, bf16, weight and bias, 2 x 4096 at 4 warps, fp32 partials): 255
+# registers either way (the cap: 2 programs of 128 threads fill an SM's 64K), spill stack 40 ->
+# 32 B per thread, loop body 1375 -> 1221 SASS instructions (19 per element); at 8 warps 177 ->
+# 166 registers, no spill (still 1 program per SM). The code of 2026-11-30: 255, 48 B, 1391.
+# (Spills are `cuobjdump -res-usage`'s STACK, with STL/LDL in the loop; its LOCAL, which
+# benchmarks/sass_count.resources reads, stays 0 for these kernels.)
+BWD_MEAN_LO = True
+# In-register path: load row block i+1's dy and x (bf16) before block i's reductions, so a
+# program keeps loads in flight across its reduction barrier (2 programs of 4 warps per SM leave
+# little else to hide the latency). Costs the prefetched block's registers: ptxas (as above)
+# 255 registers and 320 B of spill stack per thread at 4 warps, 206 registers at 8 (no spill).
+# Off by default until the H200 sweep says otherwise (the forward's persistent prefetch lost:
+# 75-113 us vs 67).
+BWD_PREFETCH = False
+# Register cap for the backward (ptxas .maxnreg; None: ptxas's choice), so that 2 programs fit an
+# SM (65536 / threads per program / 2: 128 at 8 warps). 1 row x 8 warps with BWD_PREFETCH: 162
+# registers uncapped (1 program per SM), 124 and no spill at 128; 2 rows x 8 warps without: 166
+# uncapped, 128 + 8 B spill capped (ptxas sm_90a, bf16, weight and bias).
+BWD_MAXNREG: Optional[int] = None
 
 
 def _check(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> None:
@@ -358,13 +471,15 @@ def _forward_config(n_cols: int) -> RowConfig:
 
 
 def _launch_fwd(x, weight, bias, eps):
+    """(y, stats): stats is fp32 [3, *x.shape[:-1]], per row the mean as a (hi, lo) pair
+    (_store_mean_pair) and rstd. One tensor, one allocation: the host's cost per call is what
+    the eager wall time is made of (see _common.via_custom_op)."""
     _require_triton(x, "layer_norm")
     n_cols = x.shape[-1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    mean = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    stats = torch.empty((3, *x.shape[:-1]), dtype=torch.float32, device=x.device)
     if x.numel() == 0:
-        return y, mean.fill_(math.nan), rstd.fill_(math.nan)  # moments of an empty row are undefined
+        return y, stats.fill_(math.nan)  # moments of an empty row are undefined
     x2 = _rows(x)
     y2 = y.view(-1, n_cols)
     n_rows = x2.shape[0]
@@ -372,50 +487,52 @@ def _launch_fwd(x, weight, bias, eps):
     w = weight.contiguous() if weight is not None else x2  # dummy pointer when absent
     b = bias.contiguous() if bias is not None else x2
     _layer_norm_fwd_kernel[(triton.cdiv(n_rows, cfg.block_m),)](
-        x2, w, b, y2, mean, rstd,
+        x2, w, b, y2, stats, stats[2],
         x2.stride(0), y2.stride(0),
         n_rows, n_cols, eps,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, LOOP=cfg.loop,
         EMULATE_RTNE=interpreter_enabled(), TREE_EMU=interpreter_enabled(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
     )
-    return y, mean, rstd
+    return y, stats
 
 
-def _launch_bwd(dy, x, weight, mean, rstd, compute_dw, compute_db):
+def _launch_bwd(dy, x, weight, stats, dw_dtype, db_dtype):
+    """(dx, dweight, dbias): dweight in `dw_dtype` and dbias in `db_dtype`, shape (N,), or fp32
+    of shape (0,) where that dtype is None (not asked for)."""
     _require_triton(x, "layer_norm backward")
     n_cols = x.shape[-1]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dw_shape = (n_cols,) if compute_dw else (0,)
-    db_shape = (n_cols,) if compute_db else (0,)
+    compute_dw, compute_db = dw_dtype is not None, db_dtype is not None
     if x.numel() == 0:
-        return (
-            dx,
-            torch.zeros(dw_shape, dtype=torch.float32, device=x.device),
-            torch.zeros(db_shape, dtype=torch.float32, device=x.device),
-        )
+        return dx, *(torch.zeros(n_cols if dt is not None else 0, dtype=dt or torch.float32, device=x.device)
+                     for dt in (dw_dtype, db_dtype))
     dy2, x2 = _rows(dy), _rows(x)
     dx2 = dx.view(-1, n_cols)
     n_rows = x2.shape[0]
     cfg = RowConfig.backward(n_cols, BWD_BLOCK_ELEMS, BWD_MAX_WARPS)
     n_programs, rows_per_program = backward_grid(n_rows, cfg, x.device)
-    dw_part = torch.empty((n_programs, n_cols) if compute_dw else (1,), dtype=torch.float64, device=x.device)
-    db_part = torch.empty((n_programs, n_cols) if compute_db else (1,), dtype=torch.float64, device=x.device)
-    # Per-row scratch (c1, c2, corr) for the looped path only; a dummy otherwise.
-    c = torch.empty(3 * n_rows if cfg.loop else 1, dtype=torch.float32, device=x.device)
+    part_dtype = partials_dtype(x.dtype)
+    dw_part = torch.empty((n_programs, n_cols) if compute_dw else (1,), dtype=part_dtype, device=x.device)
+    db_part = torch.empty((n_programs, n_cols) if compute_db else (1,), dtype=part_dtype, device=x.device)
+    # Per-row scratch (c1, c2, and corr without the mean's lo) for the looped path only; a dummy otherwise.
+    c = torch.empty((2 if BWD_MEAN_LO else 3) * n_rows if cfg.loop else 1, dtype=torch.float32, device=x.device)
     _layer_norm_bwd_kernel[(n_programs,)](
-        dy2, x2, weight.contiguous() if weight is not None else x2, mean.reshape(-1), rstd.reshape(-1),
+        dy2, x2, weight.contiguous() if weight is not None else x2, stats, stats[2],
         dx2, dw_part, db_part, c,
         dy2.stride(0), x2.stride(0), dx2.stride(0),
         n_rows, n_cols, rows_per_program,
         HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, LOOP=cfg.loop,
         EMULATE_RTNE=interpreter_enabled(), ACC_F64=dw_acc_f64(x.dtype),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        MEAN_LO=BWD_MEAN_LO, TREE_EMU=interpreter_enabled(), PREFETCH=BWD_PREFETCH,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, maxnreg=BWD_MAXNREG,
     )
-    # Second stage of the dw/db reductions: fixed order over n_programs rows, deterministic.
-    dw = dw_part.sum(0).float() if compute_dw else x.new_zeros(0, dtype=torch.float32)
-    db = db_part.sum(0).float() if compute_db else x.new_zeros(0, dtype=torch.float32)
-    return dx, dw, db
+    # Second stage of the dw/db reductions (one launch for both): fixed order over the
+    # n_programs partial rows, deterministic; written in the parameters' dtypes.
+    asked = [(p, dt) for p, dt in ((dw_part, dw_dtype), (db_part, db_dtype)) if dt is not None]
+    sums = iter(sum_partials(*asked) if asked else [])
+    # A skipped gradient is an empty fp32 tensor of its own (custom-op outputs may not alias).
+    return dx, *(next(sums) if dt is not None else x.new_zeros(0, dtype=torch.float32) for dt in (dw_dtype, db_dtype))
 
 
 # --------------------------------------------------------------------------------------------
@@ -426,14 +543,14 @@ def _launch_bwd(dy, x, weight, mean, rstd, compute_dw, compute_db):
 @torch.library.custom_op("kprof::layer_norm_fwd", mutates_args=())
 def _layer_norm_fwd_op(
     x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (y, stats): stats fp32 [3, *x.shape[:-1]] = (mean hi, mean lo, rstd) per row."""
     return _launch_fwd(x, weight, bias, eps)
 
 
 @_layer_norm_fwd_op.register_fake
 def _(x, weight, bias, eps):
-    stats = x.shape[:-1]
-    return x.new_empty(x.shape), x.new_empty(stats, dtype=torch.float32), x.new_empty(stats, dtype=torch.float32)
+    return x.new_empty(x.shape), x.new_empty((3, *x.shape[:-1]), dtype=torch.float32)
 
 
 @torch.library.custom_op("kprof::layer_norm_bwd", mutates_args=())
@@ -441,23 +558,23 @@ def _layer_norm_bwd_op(
     dy: torch.Tensor,
     x: torch.Tensor,
     weight: Optional[torch.Tensor],
-    mean: torch.Tensor,
-    rstd: torch.Tensor,
-    compute_dw: bool,
-    compute_db: bool,
+    stats: torch.Tensor,
+    dw_dtype: Optional[torch.dtype],
+    db_dtype: Optional[torch.dtype],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dx, dweight, dbias); dweight and dbias in fp32 (the caller casts them to the
-    parameters' dtypes), shape (N,) when asked for, else (0,)."""
-    return _launch_bwd(dy, x, weight, mean, rstd, compute_dw, compute_db)
+    """Returns (dx, dweight, dbias); dweight and dbias in `dw_dtype` / `db_dtype` (the
+    parameters' dtypes: the second-stage kernel writes them, no cast kernels after), shape (N,);
+    a None dtype skips that gradient and returns an fp32 tensor of shape (0,)."""
+    return _launch_bwd(dy, x, weight, stats, dw_dtype, db_dtype)
 
 
 @_layer_norm_bwd_op.register_fake
-def _(dy, x, weight, mean, rstd, compute_dw, compute_db):
+def _(dy, x, weight, stats, dw_dtype, db_dtype):
     n = x.shape[-1]
     return (
         x.new_empty(x.shape),
-        x.new_empty((n,) if compute_dw else (0,), dtype=torch.float32),
-        x.new_empty((n,) if compute_db else (0,), dtype=torch.float32),
+        x.new_empty((n,) if dw_dtype is not None else (0,), dtype=dw_dtype or torch.float32),
+        x.new_empty((n,) if db_dtype is not None else (0,), dtype=db_dtype or torch.float32),
     )
 
 
@@ -470,23 +587,23 @@ class _LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
         fwd = torch.ops.kprof.layer_norm_fwd if via_custom_op() else _launch_fwd  # see _common.via_custom_op
-        y, mean, rstd = fwd(x, weight, bias, eps)
-        ctx.save_for_backward(x, weight, mean, rstd)
+        y, stats = fwd(x, weight, bias, eps)
+        ctx.save_for_backward(x, weight, stats)
         ctx.w_dtype = weight.dtype if weight is not None else None
         ctx.b_dtype = bias.dtype if bias is not None else None
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, mean, rstd = ctx.saved_tensors
-        compute_dw = weight is not None and ctx.needs_input_grad[1]
-        compute_db = ctx.b_dtype is not None and ctx.needs_input_grad[2]
+        x, weight, stats = ctx.saved_tensors
+        dw_dtype = ctx.w_dtype if weight is not None and ctx.needs_input_grad[1] else None
+        db_dtype = ctx.b_dtype if ctx.needs_input_grad[2] else None  # b_dtype is None without a bias
         bwd = torch.ops.kprof.layer_norm_bwd if via_custom_op() else _launch_bwd
-        dx, dw, db = bwd(dy, x, weight, mean, rstd, compute_dw, compute_db)
+        dx, dw, db = bwd(dy, x, weight, stats, dw_dtype, db_dtype)
         return (
             dx if ctx.needs_input_grad[0] else None,
-            dw.to(ctx.w_dtype) if compute_dw else None,
-            db.to(ctx.b_dtype) if compute_db else None,
+            dw if dw_dtype is not None else None,
+            db if db_dtype is not None else None,
             None,
         )
 
@@ -567,11 +684,11 @@ def layer_norm_reference(
 # FLOPs per element, counted from the kernels above:
 #   forward:  +sum (1), x - mean (1), +sum and - corr (2), xc*xc and +sum (2), *rstd (1),
 #             *w (1), +b (1)                                                             = 9
-#   backward: x - mean, +sum, - corr, *rstd (4), g = dy*w (1), g*x_hat and +sum (2),
-#             +sum g (1), dx = (g - c2 - x_hat*c1)*rstd (4), dw += dy*x_hat (2),
-#             db += dy (1)                                                               = 15
+#   backward: x - hi - lo, *rstd (3), g = dy*w (1), g*x_hat and +sum (2), +sum g (1),
+#             dx = (g - c2 - x_hat*c1)*rstd (4), dw += dy*x_hat (2), db += dy (1)         = 14
+#             (BWD_MEAN_LO off: x - mean, +sum, - corr, *rstd (4) in place of the first 3: 15)
 # (the affine terms are counted even without weight/bias: an upper bound by 2-3 FLOP).
-_FWD_FLOPS, _BWD_FLOPS = 9, 15
+_FWD_FLOPS, _BWD_FLOPS = 9, 14
 
 
 def _size(dtype: torch.dtype) -> int:
@@ -590,8 +707,8 @@ def layer_norm_cost(
     elems = n_rows * n_cols
     xs = _size(dtype)
     params = (int(has_weight) + int(has_bias)) * n_cols * _size(weight_dtype or dtype)
-    stats = 2 * n_rows * 4  # mean, rstd (fp32)
-    fwd = Cost(_FWD_FLOPS * elems, 2 * elems * xs + params + stats)  # x, w, b -> y, mean, rstd
+    stats = 3 * n_rows * 4  # the mean pair (hi, lo) and rstd, fp32
+    fwd = Cost(_FWD_FLOPS * elems, 2 * elems * xs + params + stats)  # x, w, b -> y, stats
     w_read = n_cols * _size(weight_dtype or dtype) if has_weight else 0
     bwd = Cost(_BWD_FLOPS * elems, 3 * elems * xs + w_read + stats + params)  # dy, x, w, stats -> dx, dw, db
     return {"fwd": fwd, "bwd": bwd}
@@ -612,17 +729,17 @@ def _fwd_op_cost(metas: list[TensorMeta]) -> Cost:
     n_rows, n_cols = _rows_cols(x.shape)
     params = [m for m in metas[1:3] if _is_param(m, n_cols)]
     elems = n_rows * n_cols
-    nbytes = 2 * elems * _size(x.dtype) + sum(n_cols * _size(m.dtype) for m in params) + 2 * n_rows * 4
+    nbytes = 2 * elems * _size(x.dtype) + sum(n_cols * _size(m.dtype) for m in params) + 3 * n_rows * 4
     return Cost((_FWD_FLOPS - 2 + len(params)) * elems, nbytes)
 
 
 def _bwd_op_cost(metas: list[TensorMeta]) -> Cost:
-    # (dy, x, weight?, mean, rstd): mean and rstd are the last two. Whether dbias is computed
-    # is a bool argument, not in the trace: assumed present with the weight (the nn.LayerNorm
-    # default).
+    # (dy, x, weight?, stats): stats ([3, ...]: the mean pair and rstd) is the last tensor.
+    # Whether dbias is computed is a dtype argument, not a tensor in the trace: assumed present
+    # with the weight (the nn.LayerNorm default).
     x = metas[1]
     n_rows, n_cols = _rows_cols(x.shape)
-    w = metas[2] if len(metas) >= 5 and _is_param(metas[2], n_cols) else None
+    w = metas[2] if len(metas) >= 4 and _is_param(metas[2], n_cols) else None
     c = layer_norm_cost(n_rows, n_cols, x.dtype, w.dtype if w is not None else None, w is not None, w is not None)
     return c["bwd"]
 

@@ -12,16 +12,19 @@ Here the forward is one kernel and the backward one kernel plus a tiny reduction
 Napkin math, H200 (4.27 TB/s measured copy bandwidth), bf16, x of 16384 x 4096 (128 MiB):
   forward:  read x, write y                 = 2 x 134.2 MB = 268 MB -> floor  63 us
   backward: read x, dy; write dx            = 3 x 134.2 MB = 403 MB -> floor  94 us
-            (+ rstd 64 KB, weight 8 KB, the dweight partials 264 x 4096 x 8 B = 8.7 MB twice)
+            (+ rstd 64 KB, weight 8 KB, the dweight partials 264 x 4096 x 4 B = 4.3 MB twice;
+            8 B each before HALF_PARTIALS_FP32)
   fwd+bwd floor 157 us; kprof targets 70 / 200 us (Liger 0.6: 70 / 680 us; torch.compile
   132 / 739 us, figures from the issue). The backward reaches one pass because dweight is
   accumulated per program in registers over a contiguous chunk of rows (persistent grid of
-  ~2 programs per SM) and the [n_programs, N] partials are summed by one small torch
-  reduction afterwards: no atomics, so it is bitwise deterministic on a given device.
+  ~2 programs per SM) and the [n_programs, N] partials are summed afterwards by one small
+  kernel in a fixed order (`sum_partials`, shared with layer_norm): no atomics, so it is
+  bitwise deterministic on a given device.
 
 dweight precision: for fp32 inputs the fp32 terms dy * x_hat are accumulated in fp64 (per
 program, and across programs), then rounded once; half-precision inputs accumulate each
-program's rows in fp32 and the programs' partials in fp64 (HALF_DW_ACC_FP64, measured faster). With fp32 partials, fp32 dweight failed the fp64 reference on the
+program's rows in fp32 and the programs' partials in fp64 (HALF_DW_ACC_FP64, measured
+faster). With fp32 partials, fp32 dweight failed the fp64 reference on the
 H200 (2026-11-29) at 1823x781 and 16384x4096: the rounding of a running fp32 sum over the
 rows grows with the row count, not with |dweight|, and near-zero columns have only the fp32
 atol. Now dweight is the exact sum of the kernel's own fp32 terms (tests check this). Cost,
@@ -254,6 +257,42 @@ def _rms_norm_bwd_kernel(
             tl.store(DW_PART + pid * n_cols + cols, dw_acc, mask=col_mask)
 
 
+@triton.jit
+def _partials_sum_kernel(
+    PART, OUT, PART2, OUT2,
+    n_parts, n_cols,
+    HAS_SECOND: tl.constexpr,  # a second [n_parts, n_cols] buffer (LayerNorm's dbias) in the same launch
+    EMULATE_RTNE: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Second stage of the weight-grad reductions: OUT[c] = sum over p of PART[p, c] for BLOCK_N
+    columns per program (and OUT2 from PART2), shared by rms_norm and layer_norm.
+
+    Summed in fp64 whatever the partials' dtype (fp64 for fp32 inputs, fp32 for half inputs:
+    HALF_PARTIALS_FP32), in a fixed order (a [BLOCK_P, BLOCK_N] running sum over the partial
+    rows, then one tree over BLOCK_P), so bitwise deterministic; rounded once to fp32, then to
+    OUT's dtype (fp64 -> fp32 -> bf16, the double rounding torch's `.to` does from fp64 too).
+    """
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float64)
+    acc2 = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float64)
+    for p0 in range(0, n_parts, BLOCK_P):
+        parts = p0 + tl.arange(0, BLOCK_P)
+        mask = (parts < n_parts)[:, None] & col_mask[None, :]
+        offs = parts.to(tl.int64)[:, None] * n_cols + cols[None, :]
+        acc += tl.load(PART + offs, mask=mask, other=0.0).to(tl.float64)
+        if HAS_SECOND:
+            acc2 += tl.load(PART2 + offs, mask=mask, other=0.0).to(tl.float64)
+    s = tl.sum(acc, axis=0).to(tl.float32)
+    tl.store(OUT + cols, _cast(s, OUT.dtype.element_ty, EMULATE_RTNE), mask=col_mask)
+    if HAS_SECOND:
+        s2 = tl.sum(acc2, axis=0).to(tl.float32)
+        tl.store(OUT2 + cols, _cast(s2, OUT2.dtype.element_ty, EMULATE_RTNE), mask=col_mask)
+
+
 # --------------------------------------------------------------------------------------------
 # Launch configuration: the one place where block sizes, warps and grids are chosen
 # --------------------------------------------------------------------------------------------
@@ -297,6 +336,54 @@ HALF_DW_ACC_FP64 = False
 
 def dw_acc_f64(dtype: torch.dtype) -> bool:
     return dtype not in (torch.float16, torch.bfloat16) or HALF_DW_ACC_FP64
+
+
+# The [n_programs, N] partial rows are stored in their accumulator's dtype: fp32 for half inputs
+# (HALF_DW_ACC_FP64 off), so 264 x 4096 x 4 B = 4.3 MB per buffer is written and read instead of
+# 8.7 MB (LayerNorm has two: 17.3 -> 8.7 MB each way, ~4 us at 4.27 TB/s). Nothing is lost: the
+# partials are fp32 sums either way (fp64 buffers held them exactly) and the second stage still
+# adds them in fp64. False: fp64 buffers always (the code measured 2026-11-30; the sweep compares).
+HALF_PARTIALS_FP32 = True
+
+# Second stage in one Triton launch (_partials_sum_kernel) instead of torch's `sum(0)` plus
+# casts: `dw_part.sum(0).float()` and the cast to the parameter's dtype are 2-3 small kernels per
+# buffer (LayerNorm: ~6 after its backward, each ~3-5 us of GPU time at 264 x 4096 fp64 plus a
+# launch gap). False: the torch path (same order-independent fp64 sum; results equal but for
+# fp64 rounding order). Swept by `python -m benchmarks.cases.norms ln_bwd`.
+PARTIALS_SUM_KERNEL = True
+# Its tile: all partial rows of a column block at once (BLOCK_P = next power of 2 of n_programs,
+# at most PARTIALS_MAX_BLOCK_P; more rows loop) over PARTIALS_BLOCK_ELEMS / BLOCK_P columns:
+# 264 programs -> [512, 8] tiles, 512 programs at 4096 columns, each one load per buffer deep
+# (the stage is latency-bound: 4.3-8.7 MB per buffer spread over the whole GPU).
+PARTIALS_BLOCK_ELEMS = 4096
+PARTIALS_MAX_BLOCK_P = 512
+PARTIALS_NUM_WARPS = 4
+
+
+def partials_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of the [n_programs, N] weight-grad partials for inputs of `dtype` (see HALF_PARTIALS_FP32)."""
+    return torch.float64 if dw_acc_f64(dtype) or not HALF_PARTIALS_FP32 else torch.float32
+
+
+def sum_partials(*parts: tuple[torch.Tensor, torch.dtype]) -> list[torch.Tensor]:
+    """Second stage of the weight-grad reductions: each (partials [n_programs, N], dtype) ->
+    the column sums (N,) in `dtype`, summed in fp64 in a fixed order (bitwise deterministic) and
+    rounded once to fp32 before `dtype`. One or two buffers of the same shape, one launch
+    (PARTIALS_SUM_KERNEL) or torch's reductions."""
+    if not PARTIALS_SUM_KERNEL:
+        return [p.sum(0, dtype=torch.float64).float().to(dt) for p, dt in parts]
+    assert 1 <= len(parts) <= 2 and all(p.shape == parts[0][0].shape for p, _ in parts)
+    n_parts, n_cols = parts[0][0].shape
+    outs = [torch.empty(n_cols, dtype=dt, device=p.device) for p, dt in parts]
+    block_p = min(triton.next_power_of_2(n_parts), PARTIALS_MAX_BLOCK_P)
+    block_n = min(triton.next_power_of_2(n_cols), max(1, PARTIALS_BLOCK_ELEMS // block_p))
+    (p1, _), (p2, _) = parts[0], parts[-1]
+    _partials_sum_kernel[(triton.cdiv(n_cols, block_n),)](
+        p1, outs[0], p2, outs[-1], n_parts, n_cols,
+        HAS_SECOND=len(parts) == 2, EMULATE_RTNE=interpreter_enabled(),
+        BLOCK_P=block_p, BLOCK_N=block_n, num_warps=PARTIALS_NUM_WARPS,
+    )
+    return outs
 
 
 def _num_warps(block_elems: int) -> int:
@@ -438,7 +525,7 @@ def _launch_bwd(dy, x, weight, rstd, ds, offset):
     n_rows = x2.shape[0]
     cfg = RowConfig.backward(n_cols)
     n_programs, rows_per_program = backward_grid(n_rows, cfg, x.device)
-    dw_part = torch.empty((n_programs, n_cols), dtype=torch.float64, device=x.device)
+    dw_part = torch.empty((n_programs, n_cols), dtype=partials_dtype(x.dtype), device=x.device)
     # Per-row scratch for the looped path only (c = mean(g * x_hat)); a dummy otherwise.
     c = torch.empty(n_rows if cfg.loop else 1, dtype=torch.float32, device=x.device)
     _rms_norm_bwd_kernel[(n_programs,)](
@@ -449,9 +536,10 @@ def _launch_bwd(dy, x, weight, rstd, ds, offset):
         EMULATE_RTNE=interpreter_enabled(), ACC_F64=dw_acc_f64(x.dtype),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
     )
-    # Second stage of the dw reduction: n_programs x N fp64, a fixed order, so deterministic;
-    # one rounding to the weight's dtype.
-    return dx, dw_part.sum(0).to(weight.dtype)
+    # Second stage of the dw reduction: n_programs x N summed in fp64 in a fixed order, so
+    # deterministic; rounded once (via fp32) to the weight's dtype.
+    (dw,) = sum_partials((dw_part, weight.dtype))
+    return dx, dw
 
 
 # --------------------------------------------------------------------------------------------

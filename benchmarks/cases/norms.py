@@ -164,6 +164,11 @@ def kernel_time_us(step, leaves, iters: int = 20) -> float:
     """Summed GPU kernel time of one call of `step` (torch.profiler, median-free mean over `iters`
     calls after 3 warm-ups): the device work alone, without the host's launch gaps. (A CUDA-graph
     replay was the first choice; capturing this backward failed on the H200, 2026-11-29.)"""
+    return kernel_times_us(step, leaves, iters)[0]
+
+
+def kernel_times_us(step, leaves, iters: int = 20) -> tuple[float, dict[str, float]]:
+    """kernel_time_us, and the GPU time per call of each kernel name (us) behind the sum."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
@@ -177,10 +182,13 @@ def kernel_time_us(step, leaves, iters: int = 20) -> float:
                 t.grad = None
             step()
         torch.cuda.synchronize()
-    total = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    per_name: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[e.name] = per_name.get(e.name, 0.0) + e.device_time / iters
     for t in leaves:
         t.grad = None
-    return total / iters
+    return sum(per_name.values()), per_name
 
 
 def sweep_norm_configs() -> list[dict]:
@@ -257,5 +265,148 @@ def sweep_norm_configs() -> list[dict]:
     return rows
 
 
+# --- LayerNorm backward variants (run on the GPU; `python -m benchmarks.cases.norms ln_bwd`) ---
+
+# name -> knob settings on top of the module defaults: {(module, attribute): value}. "head" is
+# the code as of 2026-11-30 (225 us fwd+bwd graph replay on the H200). Registers per thread of
+# the backward (ptxas sm_90a, bf16, weight and bias, mean pair; an SM holds 64K): 2 x 4096 at 4
+# warps 255 (prefetch 255 + 320 B spill), at 8 warps 166 (206), at 16 warps 99 (118); 1 x 4096
+# at 4 warps 205 (249), at 8 warps 108 (162; 124 without spill under maxnreg 128). Configs whose
+# 2 programs cannot share an SM (regs x threads > 32K) run with 1 program per SM, or capped.
+_PAIR_OFF, _PREFETCH = {(_ln, "BWD_MEAN_LO"): False}, {(_ln, "BWD_PREFETCH"): True}
+_ONE_PER_SM, _CAP128 = {(_rms, "BWD_PROGRAMS_PER_SM"): 1}, {(_ln, "BWD_MAXNREG"): 128}
+_W8, _W16, _ROW1 = {(_ln, "BWD_MAX_WARPS"): 8}, {(_ln, "BWD_MAX_WARPS"): 16}, {(_ln, "BWD_BLOCK_ELEMS"): 4096}
+_HEAD = {**_PAIR_OFF, (_rms, "PARTIALS_SUM_KERNEL"): False, (_rms, "HALF_PARTIALS_FP32"): False}
+LN_BWD_VARIANTS: dict[str, dict] = {
+    "head: 3 sums, torch 2nd stage, fp64 partials": _HEAD,
+    "default (pair, fp32 partials, sum kernel)": {},
+    "default, 3 sums": _PAIR_OFF,
+    "default, torch 2nd stage": {(_rms, "PARTIALS_SUM_KERNEL"): False},
+    "default, fp64 partials": {(_rms, "HALF_PARTIALS_FP32"): False},
+    "default, sum tile 64 rows (loops)": {(_rms, "PARTIALS_MAX_BLOCK_P"): 64},
+    "default + prefetch": _PREFETCH,
+    "default, 8 warps, maxnreg 128": {**_W8, **_CAP128},
+    "default + prefetch, 16 warps, 1/SM": {**_PREFETCH, **_W16, **_ONE_PER_SM},
+    "default, 1 row x 4 warps": _ROW1,
+    "default + prefetch, 1 row x 4 warps": {**_PREFETCH, **_ROW1},
+    "default, 1 row x 8 warps": {**_ROW1, **_W8},
+    "default + prefetch, 1 row x 8 warps, maxnreg 128": {**_PREFETCH, **_ROW1, **_W8, **_CAP128},
+}
+RMS_BWD_VARIANTS: dict[str, dict] = {
+    "head: torch 2nd stage, fp64 partials": {(_rms, "PARTIALS_SUM_KERNEL"): False, (_rms, "HALF_PARTIALS_FP32"): False},
+    "head + fp32 partials": {(_rms, "PARTIALS_SUM_KERNEL"): False},
+    "default (fp32 partials, sum kernel)": {},
+}
+
+
+def _set_knobs(knobs: dict) -> dict:
+    """Apply {(module, attribute): value}; returns the previous values (for _set_knobs again)."""
+    old = {k: getattr(*k) for k in knobs}
+    for (mod, attr), v in knobs.items():
+        setattr(mod, attr, v)
+    _rms.RowConfig.backward.cache_clear()
+    return old
+
+
+def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|: 0 for identical tensors, ~4e-3 for one bf16 rounding."""
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def sweep_ln_bwd(iters: int = 20, graph_calls: int = 8) -> list[dict]:
+    """LayerNorm (weight and bias) and RMSNorm (llama) fwd+bwd at 16384 x 4096 bf16 for each
+    backward variant in LN_BWD_VARIANTS / RMS_BWD_VARIANTS (kernels/layer_norm.py, rms_norm.py
+    knobs). Per variant, first the check: max |err| / max |ref| of y, dx, dweight[, dbias] vs the
+    fp32 reference (autograd on the upcast inputs) and vs the default variant; a variant past 2e-2
+    of the reference or 1e-2 of the default (one bf16 rounding is <= 4e-3) is reported WRONG and
+    not timed. Then the GPU kernel
+    time summed from torch.profiler (host gaps excluded) with its per-kernel split, and the
+    CUDA-graph replay time per call (`graph_calls` fwd+bwd calls back to back in one graph,
+    alternating two input sets, as bench_kernels' graphn_us). ~60-90 s on an H200, mostly compiles."""
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.cases.norms ln_bwd: needs a CUDA GPU (torch.cuda.is_available() is False); "
+                         "nothing was timed. Run it on the H200.")
+    import time
+
+    import triton
+
+    from benchmarks.bench_kernels import graph_time_us
+
+    t0 = time.perf_counter()
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
+          f"{_M}x{_N} bf16 fwd+bwd; errors: max|err|/max|ref| of y, dx, dweight[, dbias]", flush=True)
+    torch.manual_seed(0)
+    rows = []
+    for norm, fn, make, variants in (("layer_norm", _ln.layer_norm, _ln_inputs, LN_BWD_VARIANTS),
+                                     ("rms_norm", _rms.rms_norm, _llama_inputs, RMS_BWD_VARIANTS)):
+        inputs, inputs2 = make("cuda", torch.bfloat16), make("cuda", torch.bfloat16)
+        leaves = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+        leaves2 = [v for v in inputs2.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+        dy, dy2 = torch.randn_like(inputs["x"]), torch.randn_like(inputs2["x"])
+        # fp32 reference: the same function's PyTorch reference on upcast leaves
+        ref_fn = _ln.layer_norm_reference if norm == "layer_norm" else _rms.rms_norm_reference
+        up = {k: (v.detach().float().requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+        ref_y = ref_fn(**up)
+        ref = [ref_y.detach(), *torch.autograd.grad(ref_y, [v for v in up.values() if isinstance(v, torch.Tensor)], dy.float())]
+        del up, ref_y
+        default = None
+        names = list(variants)
+        names.insert(0, names.pop(next(i for i, n in enumerate(names) if n.startswith("default ("))))  # its outputs first
+        for name in names:
+            old = _set_knobs(variants[name])
+            try:
+                y = fn(**inputs)
+                got = [y.detach(), *torch.autograd.grad(y, leaves, dy)]
+                del y
+                default = default or got
+                err_ref = [_max_rel(a, b) for a, b in zip(got, ref)]
+                err_def = [_max_rel(a, b) for a, b in zip(got, default)]
+                ok = max(err_ref) <= 2e-2 and max(err_def) <= 1e-2
+                us = graph_us = float("nan")
+                split = {}
+                if ok:
+                    us, split = kernel_times_us(lambda: torch.autograd.backward(fn(**inputs), dy), leaves, iters)
+                    try:
+                        graph_us = graph_time_us([lambda: torch.autograd.backward(fn(**inputs), dy),
+                                                  lambda: torch.autograd.backward(fn(**inputs2), dy2)],
+                                                 leaves + leaves2, graph_calls)
+                    except Exception as e:  # noqa: BLE001 - a failed capture is a result
+                        print(f"  {norm} {name}: graph capture failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                        torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - a variant that fails to compile or run is a result
+                print(f"  {norm} {name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+                ok, err_ref, err_def, us, graph_us, split = False, [], [], float("nan"), float("nan"), {}
+            finally:
+                _set_knobs(old)
+                for t in leaves + leaves2:
+                    t.grad = None
+            r = {"norm": norm, "variant": name, "ok": ok, "kernel_us": us, "graph_us": graph_us,
+                 "err_vs_ref": err_ref, "err_vs_default": err_def, "kernels": split}
+            rows.append(r)
+            errs = " ".join(f"{e:.1e}" for e in err_ref)
+            errd = " ".join(f"{e:.1e}" for e in err_def)
+            print(f"{norm:10s} {name:50s} kernels {us:7.1f} us  graph {graph_us:7.1f} us  "
+                  f"err vs fp32 ref [{errs}] vs default [{errd}]{'' if ok else '  WRONG: not timed'}", flush=True)
+            if split:
+                print("    " + "; ".join(f"{k[:40]} {v:.1f}" for k, v in sorted(split.items(), key=lambda kv: -kv[1])),
+                      flush=True)
+        del inputs, inputs2, leaves, leaves2, dy, dy2, ref, default
+        torch.cuda.empty_cache()
+    for norm in ("layer_norm", "rms_norm"):
+        done = sorted((r for r in rows if r["norm"] == norm and r["ok"] and r["graph_us"] == r["graph_us"]),
+                      key=lambda r: r["graph_us"])
+        print(f"best {norm} by graph replay: " + "; ".join(f"{r['variant']} {r['graph_us']:.1f} us" for r in done[:3]))
+    print(f"# sweep took {time.perf_counter() - t0:.0f} s", flush=True)
+    return rows
+
+
 if __name__ == "__main__":
-    sweep_norm_configs()
+    import sys
+
+    if sys.argv[1:] == ["ln_bwd"]:
+        sweep_ln_bwd()
+    elif sys.argv[1:]:
+        raise SystemExit("usage: python -m benchmarks.cases.norms [ln_bwd]")
+    else:
+        sweep_norm_configs()

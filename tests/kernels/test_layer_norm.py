@@ -75,15 +75,24 @@ def _check(x, w, b, eps=1e-5, dy_scale=1.0):
             assert_close(t.grad, r.grad, x.dtype, msg=name)
     if w is not None and x.dtype == torch.float32 and w.dtype == torch.float32:
         # The kernel sums its fp32 terms dy * x_hat in fp64 and rounds once: check that against
-        # the same terms from its own mean and rstd (x_hat re-centred as the kernel does),
-        # summed in fp64 (isolates the reduction).
-        _, mean, rstd = torch.ops.kprof.layer_norm_fwd(x.detach(), w.detach(), None, eps)
-        x2 = x.detach().reshape(n_rows, -1)
-        xc = x2 - mean.reshape(n_rows, 1)
-        x_hat = (xc - xc.mean(-1, keepdim=True)) * rstd.reshape(n_rows, 1)
-        terms = dy.reshape(n_rows, -1) * x_hat
+        # the same terms from its own mean and rstd, summed in fp64 (isolates the reduction).
+        _, stats = torch.ops.kprof.layer_norm_fwd(x.detach(), w.detach(), None, eps)
+        terms = dy.reshape(n_rows, -1) * _kernel_x_hat(x.detach(), stats)
         assert_close(w.grad, terms.double().sum(0), msg="dweight vs the exact sum of its terms")
     return y
+
+
+def _kernel_x_hat(x, stats):
+    """x_hat as the backward computes it from the saved stats (mean hi, mean lo, rstd), in fp32:
+    with BWD_MEAN_LO, (x - hi - lo) * rstd, the same operations in the same order (so the same
+    fp32 values); without, re-centred on the residuals' mean as the kernel does (to its rounding)."""
+    n_rows = stats[0].numel()
+    x2 = x.reshape(n_rows, -1)
+    hi, lo, rstd = (t.reshape(n_rows, 1) for t in stats)
+    if layer_norm_module.BWD_MEAN_LO:
+        return (x2 - hi - lo) * rstd
+    xc = x2 - hi
+    return (xc - xc.mean(-1, keepdim=True)) * rstd
 
 
 # fp32 dweight against the fp64 reference only up to this many rows. Past it, the fp32 terms
@@ -119,8 +128,7 @@ def test_fp32_dweight_on_the_h200_grid(monkeypatch, device):
     from test_rms_norm import H200_SM_COUNT
 
     monkeypatch.setattr(rms_norm_module, "_sm_count", lambda device: H200_SM_COUNT)
-    cfg = rms_norm_module.RowConfig.backward(781, layer_norm_module.BWD_BLOCK_ELEMS, layer_norm_module.BWD_MAX_WARPS)
-    assert rms_norm_module.backward_grid(1823, cfg, torch.device(device)) == (228, 8)
+    assert rms_norm_module.backward_grid(1823, _bwd_config(781), torch.device(device)) == (228, 8)
     _check(*_inputs((1823, 781), torch.float32, device))
 
 
@@ -152,6 +160,74 @@ def test_large_mean(mean, dtype, device):
     1000); the corrected two-pass stays within the fp32 tolerance (in-register and looped)."""
     _check(*_inputs((9, 300), dtype, device, seed=4, mean=mean))
     _check(*_inputs((1, 65536), dtype, device, seed=4, mean=mean))
+
+
+@pytest.mark.parametrize("shape", [(9, 300), (37, 781), (1, 65536)], ids=["rows", "odd", "looped"])
+@pytest.mark.parametrize("mean", [1e3, -3e2, 0.5])
+def test_saved_mean_pair(shape, mean, device):
+    """The forward saves the mean as an fp32 pair: hi is the rounded mean (what was saved
+    before) and lo the rest, so hi + lo is the forward's mean0 + corr exactly. Against the
+    fp64 mean: the pair is within 1e-7 of a std (measured on the CPU: <= 1.3e-8, and
+    ~1e-12 at |mean| 1000), where hi alone is off by up to ulp(hi) / 2 (1.6e-5 of a std at mean
+    1000, seed 4) - the error the backward's third row sum used to re-center away."""
+    x, _, _ = _inputs(shape, torch.float32, device, seed=4, mean=mean)
+    _, stats = torch.ops.kprof.layer_norm_fwd(x, None, None, 1e-5)
+    assert stats.shape == (3, shape[0]) and stats.dtype == torch.float32  # mean hi, mean lo, rstd
+    hi, lo, _ = stats.double()
+    assert torch.equal((hi + lo).float(), stats[0])  # |lo| <= ulp(hi) / 2: hi is the pair rounded
+    ref, std = x.double().mean(-1), x.double().std(-1, unbiased=False)
+    assert ((hi + lo - ref).abs() / std).max() <= 1e-7
+    if abs(mean) >= 300 and shape[0] > 1:
+        assert ((hi - ref).abs() / std).max() > 1e-6  # lo carries what the fp32 mean cannot
+    y = layer_norm(x, None, None, 1e-5)  # and the output saw the same mean
+    assert_close(y, layer_norm_reference(x.double(), None, None, 1e-5))
+
+
+@pytest.mark.parametrize("variant", ["three_sums", "prefetch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_variants(variant, dtype, monkeypatch, device):
+    """The non-default backward knobs against the same table: BWD_MEAN_LO off (x_hat re-centred
+    on the rounded mean with a third row sum; in-register and looped, and at |mean| 1000 where
+    the re-centering matters) and BWD_PREFETCH on (the next row block loaded before this one's
+    math: bitwise the same results as without, several blocks per program and a partial last one)."""
+    knob, value = {"three_sums": ("BWD_MEAN_LO", False), "prefetch": ("BWD_PREFETCH", True)}[variant]
+    cases = [((37, 781), 0.5, "weight+bias"), ((9, 300), 1e3, "weight+bias"), ((23, 150), 0.5, "bias")]
+    for shape, mean, affine in cases:
+        x, w, b = _inputs(shape, dtype, device, affine, seed=7, mean=mean)
+        base = _grads(x, w, b)
+        monkeypatch.setattr(layer_norm_module, knob, value)
+        got = _grads(x, w, b)
+        _check(x, w, b)
+        monkeypatch.setattr(layer_norm_module, knob, not value)
+        if variant == "prefetch":
+            for a, c in zip(got, base):
+                assert torch.equal(a, c)
+    monkeypatch.setattr(layer_norm_module, knob, value)
+    monkeypatch.setattr(rms_norm_module, "MAX_FUSED_N", 64)  # the looped path (prefetch: unused there)
+    monkeypatch.setattr(rms_norm_module, "LOOP_BLOCK_N", 32)
+    _check(*_inputs((11, 150), dtype, device, seed=2, mean=1e3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("knob", ["PARTIALS_SUM_KERNEL", "HALF_PARTIALS_FP32"])
+def test_second_stage_variants(knob, dtype, monkeypatch, device):
+    """The dweight/dbias second stage: torch's sums instead of the one-launch kernel, and fp64
+    partial buffers for half inputs, give the same gradients (the same fp32 partials summed in
+    fp64; 4 programs on the CPU, where every fp64 sum here is exact), in the parameters' dtypes."""
+    x, w, b = _inputs((37, 781), dtype, device, p_dtype=torch.float32 if dtype != torch.float32 else None, seed=8)
+    base = _grads(x, w, b)
+    monkeypatch.setattr(rms_norm_module, knob, False)
+    for a, c in zip(_grads(x, w, b), base):
+        assert a.dtype == c.dtype and torch.equal(a, c)
+
+
+def _grads(x, w, b):
+    """(y, dx, dweight, dbias) of layer_norm with a fixed dy."""
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (x, w, b)]
+    y = layer_norm(*leaves)
+    g = torch.Generator().manual_seed(99)
+    y.backward(torch.randn(y.shape, generator=g).to(device=y.device, dtype=y.dtype))
+    return [y.detach()] + [t.grad for t in leaves if t is not None]
 
 
 def test_matches_nn_layer_norm_module(device):
@@ -292,10 +368,15 @@ def test_custom_ops_opcheck(device):
     torch.library.opcheck(torch.ops.kprof.layer_norm_fwd, (x, w, b, 1e-5))
     torch.library.opcheck(torch.ops.kprof.layer_norm_fwd, (x, None, None, 1e-5))
     torch.library.opcheck(torch.ops.kprof.layer_norm_fwd, (x, w.float(), None, 1e-5))
-    y, mean, rstd = torch.ops.kprof.layer_norm_fwd(x, w, b, 1e-5)
+    y, stats = torch.ops.kprof.layer_norm_fwd(x, w, b, 1e-5)
+    assert stats.shape == (3, 5)  # per row: the mean as a (hi, lo) pair, rstd
     dy = torch.randn_like(y)
-    torch.library.opcheck(torch.ops.kprof.layer_norm_bwd, (dy, x, w, mean, rstd, True, True))
-    torch.library.opcheck(torch.ops.kprof.layer_norm_bwd, (dy, x, None, mean, rstd, False, False))
+    bwd = torch.ops.kprof.layer_norm_bwd
+    torch.library.opcheck(bwd, (dy, x, w, stats, torch.bfloat16, torch.bfloat16))
+    torch.library.opcheck(bwd, (dy, x, w, stats, torch.float32, None))
+    torch.library.opcheck(bwd, (dy, x, None, stats, None, None))
+    _, dw, db = bwd(dy, x, w, stats, torch.float32, None)
+    assert dw.dtype == torch.float32 and dw.shape == (33,) and db.shape == (0,)
 
 
 def test_module_rejects_multi_dim_shapes(device):
@@ -338,20 +419,20 @@ def test_cost_model():
     n_rows, n_cols = 16384, 4096
     n = n_rows * n_cols
     c = SPEC.cost(n_rows=n_rows, n_cols=n_cols, dtype=torch.bfloat16)
-    stats = 2 * n_rows * 4  # mean and rstd, fp32
-    assert c["fwd"].bytes == 2 * n * 2 + 2 * n_cols * 2 + stats  # x, w, b -> y, mean, rstd
-    assert c["bwd"].bytes == 3 * n * 2 + 3 * n_cols * 2 + stats  # dy, x, w, mean, rstd -> dx, dw, db
-    assert c["fwd"].flops == 9 * n and c["bwd"].flops == 15 * n
+    stats = 3 * n_rows * 4  # the mean pair (hi, lo) and rstd, fp32
+    assert c["fwd"].bytes == 2 * n * 2 + 2 * n_cols * 2 + stats  # x, w, b -> y, stats
+    assert c["bwd"].bytes == 3 * n * 2 + 3 * n_cols * 2 + stats  # dy, x, w, stats -> dx, dw, db
+    assert c["fwd"].flops == 9 * n and c["bwd"].flops == 14 * n
     bare = SPEC.cost(n_rows=n_rows, n_cols=n_cols, dtype=torch.bfloat16, has_weight=False, has_bias=False)
     assert bare["fwd"].bytes == 2 * n * 2 + stats and bare["bwd"].bytes == 3 * n * 2 + stats
 
     x = registry.TensorMeta((4, 4096, 4096), torch.bfloat16)
     p = registry.TensorMeta((4096,), torch.bfloat16)
-    stat = registry.TensorMeta((4, 4096), torch.float32)
+    stat = registry.TensorMeta((3, 4, 4096), torch.float32)
     assert registry.op_cost("kprof::layer_norm_fwd", [x, p, p]) == c["fwd"]
     assert registry.op_cost("kprof::layer_norm_fwd", [x]).bytes == bare["fwd"].bytes
-    assert registry.op_cost("kprof::layer_norm_bwd", [x, x, p, stat, stat]) == c["bwd"]
-    assert registry.op_cost("kprof::layer_norm_bwd", [x, x, stat, stat]) == bare["bwd"]
+    assert registry.op_cost("kprof::layer_norm_bwd", [x, x, p, stat]) == c["bwd"]
+    assert registry.op_cost("kprof::layer_norm_bwd", [x, x, stat]) == bare["bwd"]
     assert registry.get("layer_norm") is SPEC
 
 
@@ -360,21 +441,28 @@ def test_cost_model():
 def test_kernels_compile_for_sm90():
     """See test_rms_norm.test_kernels_compile_for_sm90: the compiler, not the interpreter."""
     pytest.importorskip("triton.backends.nvidia")
-    from test_rms_norm import aot_compile
+    from test_rms_norm import aot_compile, partial_ptrs
 
     variants = []
     for cols, dtypes in ((4096, ("*bf16", "*fp32")), (MAX_FUSED_N + 1, ("*bf16",))):  # in-register, looped
-        f, b = layer_norm_module._forward_config(cols), rms_norm_module.RowConfig.backward(cols, layer_norm_module.BWD_BLOCK_ELEMS, layer_norm_module.BWD_MAX_WARPS)
+        f, b = layer_norm_module._forward_config(cols), _bwd_config(cols)
         for dtype in dtypes:
             for affine in (True, False):
                 variants.append(("_layer_norm_fwd_kernel", dtype, dict(
                     HAS_WEIGHT=affine, HAS_BIAS=affine, LOOP=f.loop, EMULATE_RTNE=False, TREE_EMU=False,
                     BLOCK_M=f.block_m, BLOCK_N=f.block_n), f.num_warps))
-                for acc64 in (True, False):  # HALF_DW_ACC_FP64 both ways
+                # HALF_DW_ACC_FP64 both ways, BWD_MEAN_LO both ways, BWD_PREFETCH (in-register path only)
+                for acc64, mean_lo, prefetch in ((True, True, False), (False, True, False), (False, False, False),
+                                                 (False, True, not b.loop)):
                     variants.append(("_layer_norm_bwd_kernel", dtype, dict(
                         HAS_WEIGHT=affine, COMPUTE_DW=affine, COMPUTE_DB=affine, LOOP=b.loop, EMULATE_RTNE=False,
-                        ACC_F64=acc64, BLOCK_M=b.block_m, BLOCK_N=b.block_n), b.num_warps))
+                        ACC_F64=acc64, MEAN_LO=mean_lo, TREE_EMU=False, PREFETCH=prefetch,
+                        BLOCK_M=b.block_m, BLOCK_N=b.block_n), b.num_warps, partial_ptrs(acc64)))
     aot_compile("kprof.kernels.layer_norm", variants)
+
+
+def _bwd_config(cols):
+    return rms_norm_module.RowConfig.backward(cols, layer_norm_module.BWD_BLOCK_ELEMS, layer_norm_module.BWD_MAX_WARPS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

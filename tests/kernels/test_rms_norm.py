@@ -459,14 +459,17 @@ from triton.compiler import ASTSource
 import importlib
 
 FP32_PTRS = {"RSTD", "MEAN", "C"}
-FP64_PTRS = {"DW_PART", "DB_PART"}  # per-program weight/bias grad partials
+FP64_PTRS = {"DW_PART", "DB_PART"}  # per-program weight/bias grad partials (default; see `ptrs`)
 mod = importlib.import_module(sys.argv[1])
-for name, dtype, consts, warps in eval(sys.argv[2]):
+for name, dtype, consts, warps, *ptrs in eval(sys.argv[2]):
     fn = getattr(mod, name)
+    ptrs = ptrs[0] if ptrs else {}  # optional {pointer name: type}, e.g. fp32 partials
     sig = {}
     for a in fn.arg_names:  # pointers are UPPERCASE in these kernels
         if a in consts:
             sig[a] = "constexpr"
+        elif a in ptrs:
+            sig[a] = ptrs[a]
         elif a.isupper():
             sig[a] = "*fp32" if a in FP32_PTRS else "*fp64" if a in FP64_PTRS else dtype
         else:
@@ -497,8 +500,26 @@ def test_kernels_compile_for_sm90():
                 for acc64 in (True, False):  # HALF_DW_ACC_FP64 both ways
                     variants.append(("_rms_norm_bwd_kernel", dtype, dict(
                         HAS_DS=resid, LOOP=b.loop, EMULATE_RTNE=False, ACC_F64=acc64,
-                        BLOCK_M=b.block_m, BLOCK_N=b.block_n), b.num_warps))
-    aot_compile("kprof.kernels.rms_norm", variants)
+                        BLOCK_M=b.block_m, BLOCK_N=b.block_n), b.num_warps, partial_ptrs(acc64)))
+    aot_compile("kprof.kernels.rms_norm", variants + partials_sum_variants())
+
+
+def partial_ptrs(acc64: bool) -> dict:
+    """Pointer types of the dw/db partial buffers: fp64, or fp32 (HALF_PARTIALS_FP32) with fp32 accumulators."""
+    t = "*fp64" if acc64 else "*fp32"
+    return {"DW_PART": t, "DB_PART": t}
+
+
+def partials_sum_variants() -> list:
+    """_partials_sum_kernel as sum_partials launches it for 264 programs x 4096 columns (the
+    H200's grid at the benchmark shape): fp32 or fp64 partials, into bf16 or fp32, one or two buffers."""
+    m = rms_norm_module
+    block_p = min(512, m.PARTIALS_MAX_BLOCK_P)
+    consts = dict(EMULATE_RTNE=False, BLOCK_P=block_p, BLOCK_N=m.PARTIALS_BLOCK_ELEMS // block_p)
+    return [
+        ("_partials_sum_kernel", out, {**consts, "HAS_SECOND": two}, m.PARTIALS_NUM_WARPS, {"PART": part, "PART2": part})
+        for part, out, two in (("*fp32", "*bf16", True), ("*fp64", "*fp32", True), ("*fp32", "*fp16", False))
+    ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -512,3 +533,64 @@ def test_half_inputs_with_fp64_dw_accumulators(shape, dtype, monkeypatch, device
     assert rms_norm_module.dw_acc_f64(dtype)
     x, w = _inputs(shape, dtype, device)
     _check(x, w)
+
+
+def _exact_partials(n_parts, n_cols, dtype, device, seed):
+    """Partials whose fp64 sum is exact in any order: bf16 values (8 significant bits) scaled by
+    2^-8..2^8, so a column's sum needs < 8 + 16 + 10 bits. torch's sum is then the reference to the bit."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.randn(n_parts, n_cols, generator=g).to(torch.bfloat16).double()
+    p *= torch.exp2(torch.randint(-8, 9, (n_parts, n_cols), generator=g).double())
+    return p.to(device=device, dtype=dtype)
+
+
+_DTYPE_PAIRS = [(p, o) for p in (torch.float32, torch.float64) for o in (torch.float32, torch.bfloat16, torch.float16)]
+
+
+@pytest.mark.parametrize(
+    "n_parts, n_cols, part_dtype, out_dtype",
+    [(*shape, *dts) for shape in ((1, 1), (3, 7), (228, 781), (600, 33)) for dts in _DTYPE_PAIRS]
+    # the benchmark's grid, in what bf16 and fp32 inputs use (4-5 s each in the interpreter)
+    + [(264, 4096, torch.float32, torch.bfloat16), (264, 4096, torch.float64, torch.float32)],
+    ids=lambda v: str(v).replace("torch.", ""),
+)
+def test_sum_partials_exact(n_parts, n_cols, part_dtype, out_dtype, device):
+    """The second-stage kernel against torch's fp64 column sums, bitwise, where those are exact
+    (the H200's grids: 228 programs x 781 and 264 x 4096; 600 rows take two BLOCK_P tiles), one
+    and two buffers per launch, rounded once to fp32 then to the output dtype as torch's `.to`."""
+    a = _exact_partials(n_parts, n_cols, part_dtype, device, seed=n_parts)
+    b = _exact_partials(n_parts, n_cols, part_dtype, device, seed=n_parts + 1)
+    ref_a, ref_b = a.double().sum(0).float().to(out_dtype), b.double().sum(0).float()
+    (one,) = rms_norm_module.sum_partials((a, out_dtype))
+    two = rms_norm_module.sum_partials((a, out_dtype), (b, torch.float32))
+    assert one.dtype == out_dtype and two[1].dtype == torch.float32
+    assert torch.equal(one, ref_a) and torch.equal(two[0], ref_a)
+    assert torch.equal(two[1], ref_b)
+
+
+def test_sum_partials_accumulates_in_fp64_and_is_deterministic(monkeypatch, device):
+    """Partials that cancel: 2^26 + v - 2^26 per column is v in fp64 to ~1e-8, where fp32
+    running sums (ulp 8 at 2^26) would return multiples of 8; two launches agree bitwise; the
+    torch path (PARTIALS_SUM_KERNEL off) gives the same sums."""
+    v = torch.randn(4, 300, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).to(device)
+    big = torch.full((1, 300), 2.0**26, dtype=torch.float64, device=device)
+    p = torch.cat([big, v, -big])
+    ref = v.sum(0).float()
+    got = rms_norm_module.sum_partials((p, torch.float32))[0]
+    assert_close(got, ref)  # fp64 rounding of the big terms only, far inside the fp32 table
+    assert torch.equal(got, rms_norm_module.sum_partials((p, torch.float32))[0])
+    monkeypatch.setattr(rms_norm_module, "PARTIALS_SUM_KERNEL", False)
+    assert_close(rms_norm_module.sum_partials((p, torch.float32))[0], ref)
+
+
+@pytest.mark.parametrize("knob", ["PARTIALS_SUM_KERNEL", "HALF_PARTIALS_FP32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_second_stage_variants(knob, dtype, monkeypatch, device):
+    """torch's sums instead of the second-stage kernel, and fp64 partial buffers for half inputs:
+    the same dweight bitwise (the same partial values summed in fp64; exact with the CPU's 4
+    programs here) and the same dx."""
+    x, w = _inputs((37, 781), dtype, device, seed=6)
+    base = _check(x, w)
+    monkeypatch.setattr(rms_norm_module, knob, False)
+    for a, b in zip(_check(x, w), base):
+        assert torch.equal(a, b)
