@@ -370,7 +370,7 @@ def sweep_ln_bwd(iters: int = 20, graph_calls: int = 8) -> list[dict]:
                     try:
                         graph_us = graph_time_us([lambda: torch.autograd.backward(fn(**inputs), dy),
                                                   lambda: torch.autograd.backward(fn(**inputs2), dy2)],
-                                                 leaves + leaves2, graph_calls)
+                                                 leaves + leaves2, graph_calls)[0]  # (median, spread)
                     except Exception as e:  # noqa: BLE001 - a failed capture is a result
                         print(f"  {norm} {name}: graph capture failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
                         torch.cuda.synchronize()
