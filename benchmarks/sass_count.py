@@ -36,9 +36,9 @@ from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 # Launch plans measured (kernels/bias_gelu.py, kernels/glu.py at 16384x16384 bf16): the forward's
-# streaming plan is one row of 4096 columns at 8 warps; the backward's BWD_TILE=2048, BWD_WARPS=8.
+# streaming plan is one row of 2048 columns at 4 warps (FWD_TILE); the backward's BWD_TILE=2048, BWD_WARPS=8.
 KERNELS = {  # name -> (module, function, default constexprs, num_warps)
-    "bg_fwd": ("kprof.kernels.bias_gelu", "_bias_gelu_fwd_kernel", {"BLOCK_M": 1, "BLOCK_N": 4096, "EVEN": True}, 8),
+    "bg_fwd": ("kprof.kernels.bias_gelu", "_bias_gelu_fwd_kernel", {"BLOCK_M": 1, "BLOCK_N": 2048, "EVEN": True}, 4),
     "bg_bwd": ("kprof.kernels.bias_gelu", "_bias_gelu_bwd_kernel", {"BLOCK_M": 1, "BLOCK_N": 2048, "EVEN": True, "ACC_F64": False}, 8),
     "glu_fwd": ("kprof.kernels.glu", "_glu_fwd_kernel", {"BLOCK_M": 1, "BLOCK_N": 4096, "EVEN": True}, 8),
     "glu_bwd": ("kprof.kernels.glu", "_glu_bwd_kernel", {"BLOCK_M": 1, "BLOCK_N": 4096, "EVEN": True}, 8),
@@ -86,10 +86,17 @@ def sass_of(compiled) -> str:
 
 
 def resources(compiled) -> tuple[int, int]:
-    """(registers per thread, local-memory bytes per thread: spills) from `cuobjdump -res-usage`
-    (CompiledKernel.n_regs needs a GPU to load the module)."""
+    """(registers per thread, spill bytes per thread) from `cuobjdump -res-usage`
+    (CompiledKernel.n_regs needs a GPU to load the module). Spills: the larger of LOCAL and
+    STACK; ptxas reports a register spill of these kernels as STACK with LOCAL 0 (seen with the
+    LayerNorm backward, 2026-11-30), so LOCAL alone understated it."""
     text = _objdump(compiled, "-res-usage")
-    return int(re.search(r"REG:(\d+)", text).group(1)), int(re.search(r"LOCAL:(\d+)", text).group(1))
+
+    def field(name):
+        m = re.search(name + r":(\d+)", text)
+        return int(m.group(1)) if m else 0
+
+    return field("REG"), max(field("LOCAL"), field("STACK"))
 
 
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -171,7 +178,7 @@ def _resolve(name: str, act: int, overrides: dict):
 
 
 # kernels launched with a register cap: the module attribute that holds it
-_MAXNREG = {"bg_bwd": "BWD_MAXNREG"}
+_MAXNREG = {"bg_bwd": "BWD_MAXNREG", "bg_fwd": "FWD_MAXNREG"}
 
 
 def measure(name: str, act: int, overrides: dict | None = None, dump: str | None = None) -> dict:

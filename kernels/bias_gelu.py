@@ -184,11 +184,14 @@ BWD_WARPS: int | None = 8
 # for the fourth). Capped at 64: no spills at the default tile (the sm_90 compile test checks).
 # H200 sweep (2026-11-30): erf fwd+bwd 780 -> 769 us with the cap, tanh 660 either way.
 BWD_MAXNREG: int | None = 64
-# Forward launch: elements per program (None: StreamConfig.TILE, 4096) and register cap (None:
-# ptxas's choice; the erf forward takes 38 registers, so 6 of its 8-warp programs fit an SM where
-# tanh's 32 fit 8). Swept by benchmarks.cases.glu (bias_gelu_fwd).
-FWD_TILE: int | None = None
-FWD_MAXNREG: int | None = None
+# Forward launch: elements per program (None: StreamConfig.TILE, 4096; 4 warps below 4096) and
+# register cap for bf16/fp16 inputs (None: ptxas's choice). The erf forward takes 38 registers
+# uncapped, so fewer of its programs fit an SM than tanh's (32). H200 sweep 2026-11-30 03:47
+# (`glusweep-h200-20261130T0347-fwd.txt`, kernel time at 16384 x 16384 bf16, tile 2048 / 4096 /
+# 8192): tanh 252.5 / 260.3 / 259.9 us uncapped, the same capped at 32 (8192: 460, spills);
+# erf 279.6 / 284.6 / 292.4 uncapped, 261.4 / 266.1 / 473 at 32 (96.2% of copy bandwidth at 2048).
+FWD_TILE: int | None = 2048
+FWD_MAXNREG: int | None = 32
 # fp64 dbias accumulation also for bf16/fp16 inputs (fp32 inputs always take fp64; see the kernel).
 HALF_DBIAS_ACC_FP64 = False
 
@@ -259,7 +262,7 @@ def _fwd(x: torch.Tensor, bias: torch.Tensor, act: int) -> torch.Tensor:
         _bias_gelu_fwd_kernel[grid](
             x2, b, y, n_rows, n, sx, n,
             ACT=act, BLOCK_M=bm, BLOCK_N=bn, EVEN=n_rows % bm == 0 and n % bn == 0, FAST=fast_math(x), num_warps=warps,
-            maxnreg=FWD_MAXNREG,
+            maxnreg=FWD_MAXNREG if x.element_size() == 2 else None,
         )  # fmt: skip
     return y
 

@@ -395,8 +395,14 @@ def _layer_norm_bwd_kernel(
 # multi-operand reduction, swept on the H200 (2026-11-29 21:55 UTC, fwd+bwd GPU time at 16384 x
 # 4096 bf16, fp32 partials, 2 programs/SM): 8192 x 4 warps 218.5 us, 4096 x 4 225.4, 4096 x 8
 # 227.1, 8192 x 8 246.7; 3 or 4 programs/SM 246-294. (Three separate reductions: 250.9 at best.)
+# After the mean pair and the one-launch second stage (2026-11-30 03:49, `normsweep-h200-
+# 20261130T0349-ln-bwd.txt`, fwd+bwd at 16384 x 4096 bf16, CUDA-graph time per call): 2 x 4096 at
+# 4 warps 197.5 us (backward kernel 121.9: 255 registers, 2 programs of 4 warps per SM); at 8
+# warps with a 128-register cap 184.5 (kernel 108.4: 2 programs of 8 warps per SM); with a next-
+# block prefetch 1 x 4096 at 4 warps 184.6, at 8 warps capped 185.1, 16 warps 184.7; 1 x 4096
+# without prefetch 202-204; 2 x 4096 at 4 warps with prefetch 307 (spills).
 BWD_BLOCK_ELEMS = 8192
-BWD_MAX_WARPS = 4
+BWD_MAX_WARPS = 8
 
 # x_hat from the forward's mean pair (hi + lo) with two row sums per row block, (g * x_hat, g),
 # instead of re-centering on the rounded mean with a third, mean(x - hi). Both are as accurate
@@ -419,8 +425,10 @@ BWD_PREFETCH = False
 # Register cap for the backward (ptxas .maxnreg; None: ptxas's choice), so that 2 programs fit an
 # SM (65536 / threads per program / 2: 128 at 8 warps). 1 row x 8 warps with BWD_PREFETCH: 162
 # registers uncapped (1 program per SM), 124 and no spill at 128; 2 rows x 8 warps without: 166
-# uncapped, 128 + 8 B spill capped (ptxas sm_90a, bf16, weight and bias).
-BWD_MAXNREG: Optional[int] = None
+# uncapped, 128 + 8 B spill capped (ptxas sm_90a, bf16, weight and bias): the default, fastest
+# measured (above) spill and all. Applied to bf16/fp16 inputs only: fp32 ones hold twice the
+# bytes per element and fp64 weight-grad partials, and were not measured under a cap.
+BWD_MAXNREG: Optional[int] = 128
 
 
 def _check(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> None:
@@ -525,7 +533,8 @@ def _launch_bwd(dy, x, weight, stats, dw_dtype, db_dtype):
         HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, LOOP=cfg.loop,
         EMULATE_RTNE=interpreter_enabled(), ACC_F64=dw_acc_f64(x.dtype),
         MEAN_LO=BWD_MEAN_LO, TREE_EMU=interpreter_enabled(), PREFETCH=BWD_PREFETCH,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, maxnreg=BWD_MAXNREG,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        maxnreg=BWD_MAXNREG if x.element_size() == 2 else None,
     )
     # Second stage of the dw/db reductions (one launch for both): fixed order over the
     # n_programs partial rows, deterministic; written in the parameters' dtypes.
