@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import pytest
 import torch
@@ -408,7 +409,9 @@ for act in (0, 1, 2):
             f.flush()
             res = subprocess.run([os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump"),
                                   "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-        print("compiled", fn.__name__, act, extra, re.search(r"REG:\d+", res).group(0), re.search(r"LOCAL:\d+", res).group(0))
+        # ptxas reports register spills of these kernels as STACK (LOCAL stays 0; seen 2026-11-30)
+        print("compiled", fn.__name__, act, extra, re.search(r"REG:\d+", res).group(0), re.search(r"LOCAL:\d+", res).group(0),
+              re.search(r"STACK:\d+", res).group(0))
 # Tiny tiles (a 1x1 tensor is one even tile): one element a thread, where the bf16 pair widening
 # (_math.to_f32_fast) must step aside (it failed to compile there on the H200, 2026-11-30).
 for fn in (glu._glu_fwd_kernel, glu._glu_bwd_kernel, bg._bias_gelu_fwd_kernel, bg._bias_gelu_bwd_kernel):
@@ -434,3 +437,11 @@ def test_kernels_compile_for_sm90_with_fast_exp():
     out = run_aot_script(_AOT_SCRIPT)
     assert out.count("compiled") == 19 and "tiny tiles compiled" in out, out
     assert out.count("LOCAL:0") == 18, out
+    # No spill in any backward or GLU kernel; the bias+GELU forward under its 32-register cap
+    # keeps 8 bytes of stack for the erf path (2 STL + 2 LDL outside the loop, measured faster).
+    lines = [ln for ln in out.splitlines() if ln.startswith("compiled")]
+    for ln in lines:
+        if "_bias_gelu_fwd_kernel 2 " in ln:
+            assert re.search(r"STACK:(\d+)", ln).group(1) in ("0", "8"), ln
+        else:
+            assert "STACK:0" in ln, ln
