@@ -8,8 +8,9 @@ Napkin math, H200 (4.27 TB/s measured copy bandwidth), bf16, x of 16384 x 4096 (
   backward: read x, dy; write dx            = 3 x 134.2 MB = 403 MB -> floor  94 us
             (+ the mean pair and rstd 3 x 64 KB, the dweight and dbias partials 2 x 264 x 4096
             x 4 B = 8.7 MB for half inputs (fp64 for fp32 ones: 17.3 MB), written and read once)
-  targets 70 / 200 us fwd / fwd+bwd; measured 73.5 / 225 us (H200, CUDA-graph replay,
-  2026-11-30 02:36), the backward ~150 us of it. As in rms_norm, the backward is one pass: each
+  targets 70 / 200 us fwd / fwd+bwd; measured 68.7 / 185.5 us (H200, 2026-11-30 03:52, GPU
+  time per call back to back in a CUDA graph; the backward kernel 108.4 us of it, the partials'
+  sum 7.4), from 73.5 / 225 us one call per replay at 02:36. As in rms_norm, the backward is one pass: each
   program of a persistent grid walks a contiguous chunk of rows, keeps its dweight and dbias
   partial sums in registers and writes them once; one small kernel (rms_norm.sum_partials)
   sums the partials of both and writes them in the parameters' dtypes. No atomics: bitwise
@@ -18,9 +19,11 @@ Napkin math, H200 (4.27 TB/s measured copy bandwidth), bf16, x of 16384 x 4096 (
   partial sums are fp64 (see rms_norm: fp32 ones failed fp32 dweight against the fp64 reference at 16384x4096 on the
   H200; half inputs take fp32 per-program partials, rms_norm.HALF_DW_ACC_FP64), so
   dweight and dbias are the exact sums of the kernel's fp32 terms, rounded once. Register cost
-  (sm_90 ptxas, Triton 3.9, bf16, weight and bias): spill 40 -> 0 B per thread at 781 columns,
-  none at 4096, 0 -> 112 B at 8192, 888 -> 1796 B at 16384, 0 -> 8 B on the looped path; the
-  wide-row cases are not yet measured on the H200.
+  (sm_90 ptxas, Triton 3.9, bf16, weight and bias; 2026-11-29, read from cuobjdump's LOCAL,
+  which misses spills ptxas reports as STACK, so these may understate): spill 40 -> 0 B per
+  thread at 781 columns, none at 4096, 0 -> 112 B at 8192, 888 -> 1796 B at 16384, 0 -> 8 B on
+  the looped path; the wide-row cases are not yet measured on the H200. At 4096 columns with
+  STACK read too: see BWD_MAXNREG.
 
 The launch configuration (`RowConfig`, the persistent grid) is shared with rms_norm so both
 norms are tuned in one place. Rows up to MAX_FUSED_N are held in registers (x read once);
