@@ -15,7 +15,7 @@ Napkin math, H200 (4.27 TB/s measured copy bandwidth), bf16, x of 16384 x 4096 (
   partial sums in registers and writes them once; one small kernel (rms_norm.sum_partials)
   sums the partials of both and writes them in the parameters' dtypes. No atomics: bitwise
   deterministic on a given device. The forward saves the mean as an fp32 hi/lo pair so the
-  backward's row reduction has two operands, not three (BWD_MEAN_LO). For fp32 inputs the
+  backward's row reduction has two operands, not three. For fp32 inputs the
   partial sums are fp64 (see rms_norm: fp32 ones failed fp32 dweight against the fp64 reference at 16384x4096 on the
   H200; half inputs take fp32 per-program partials, rms_norm.HALF_DW_ACC_FP64), so
   dweight and dbias are the exact sums of the kernel's fp32 terms, rounded once. Register cost
@@ -32,8 +32,7 @@ output: a corrected two-pass variance, not sum-of-squares, for accuracy when |me
 and twice in the backward.
 
 Knobs (module attributes, read at each launch; `python -m benchmarks.cases.norms ln_bwd`
-compares them on a GPU): BWD_BLOCK_ELEMS / BWD_MAX_WARPS (the backward's block), BWD_MEAN_LO
-(two-operand backward reduction from the saved mean pair), BWD_PREFETCH (next row block's
+compares them on a GPU): BWD_BLOCK_ELEMS / BWD_MAX_WARPS (the backward's block), BWD_PREFETCH (next row block's
 loads before this one's math), BWD_MAXNREG (register cap); in rms_norm, shared: HALF_DW_ACC_FP64, HALF_PARTIALS_FP32,
 PARTIALS_SUM_KERNEL and its tile (PARTIALS_*), BWD_PROGRAMS_PER_SM.
 """
@@ -74,11 +73,6 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 @triton.jit
 def _add2(a0, a1, b0, b1):
     return a0 + b0, a1 + b1
-
-
-@triton.jit
-def _add3(a0, a1, a2, b0, b1, b2):
-    return a0 + b0, a1 + b1, a2 + b2
 
 
 @triton.jit
@@ -221,7 +215,6 @@ def _layer_norm_bwd_kernel(
     LOOP: tl.constexpr,
     EMULATE_RTNE: tl.constexpr,
     ACC_F64: tl.constexpr,  # dw/db partials in fp64 (else fp32): kprof.kernels.rms_norm.HALF_DW_ACC_FP64
-    MEAN_LO: tl.constexpr,  # x_hat from the saved mean pair, two row sums (BWD_MEAN_LO); else re-centered, three
     TREE_EMU: tl.constexpr,  # interpreter only: multi-operand reductions as separate tl.sum (see the forward)
     PREFETCH: tl.constexpr,  # in-register path: load the next row block before this one's math (BWD_PREFETCH)
     BLOCK_M: tl.constexpr,
@@ -268,31 +261,16 @@ def _layer_norm_bwd_kernel(
                 g = dy * w[None, :]
             else:
                 g = dy
-            if MEAN_LO:
-                # x - hi - lo is the forward's x - mean to within one rounding of the difference,
-                # so x_hat needs no re-centering sum: two row sums, not three. Padding: g = 0 on
-                # masked columns (no dx stored, no dw/db), x_hat = 0 on masked rows (rstd = 0).
-                lo = tl.load(MEAN + n_rows + rows, mask=row_mask, other=0.0)
-                x_hat = (x - mean[:, None] - lo[:, None]) * rstd[:, None]
-                s_gxh, s_g = _row_sums2(g * x_hat, g, TREE_EMU)
-                c2 = s_g / n_cols
-                c1 = s_gxh / n_cols
-            else:
-                # The rounded mean alone (BWD_MEAN_LO off: the 225 us code of 2026-11-30): re-center on the
-                # residuals' mean corr = mean(x - mean) as the forward did, or x_hat is off by
-                # ulp(|mean|) / 2 / std. With xc = x - mean, x_hat = (xc - corr) * rstd and
-                # c1 = mean(g * x_hat) = rstd * (mean(g * xc) - corr * c2): the three row sums are
-                # independent, so they go through one multi-operand reduction (one shared-memory
-                # round trip and barrier per row block instead of three, two of them in sequence).
-                xc = tl.where(mask, x - mean[:, None], 0.0)
-                if TREE_EMU:
-                    s_xc, s_gxc, s_g = tl.sum(xc, axis=1), tl.sum(g * xc, axis=1), tl.sum(g, axis=1)
-                else:
-                    s_xc, s_gxc, s_g = tl.reduce((xc, g * xc, g), 1, _add3)
-                corr = s_xc / n_cols
-                c2 = s_g / n_cols
-                c1 = (s_gxc / n_cols - corr * c2) * rstd
-                x_hat = (xc - corr[:, None]) * rstd[:, None]  # masked columns: dy = 0 there, no dw/db
+            # x - hi - lo is the forward's x - mean to within one rounding of the difference, so
+            # x_hat needs no re-centering sum: two row sums, not three (the rounded mean alone needed
+            # corr = mean(x - hi) as a third operand of the reduction: 200.0 vs 197.5 us fwd+bwd,
+            # 2026-11-30 03:49; removed). Padding: g = 0 on masked columns (no dx stored, no dw/db),
+            # x_hat = 0 on masked rows (rstd = 0).
+            lo = tl.load(MEAN + n_rows + rows, mask=row_mask, other=0.0)
+            x_hat = (x - mean[:, None] - lo[:, None]) * rstd[:, None]
+            s_gxh, s_g = _row_sums2(g * x_hat, g, TREE_EMU)
+            c2 = s_g / n_cols
+            c1 = s_gxh / n_cols
             dx = (g - c2[:, None] - x_hat * c1[:, None]) * rstd[:, None]
             tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], _cast(dx, DX.dtype.element_ty, EMULATE_RTNE), mask=mask)
             # (Accumulating dw/db before the reductions, as rms_norm does, made ptxas spill 8 B
@@ -307,30 +285,22 @@ def _layer_norm_bwd_kernel(
             tl.store(DB_PART + pid * n_cols + cols, db_acc, mask=col_mask)
     else:
         # Phase A: per row, c1 = mean(g * x_hat) and c2 = mean(g) into the fp32 scratch
-        # C = [c1, c2(, corr)] (n_rows each). With xc = x - hi - lo (MEAN_LO), x_hat = xc * rstd;
-        # without lo, xc = x - hi and the re-centering corr = mean(xc) (see the in-register
-        # branch) is a third sum: x_hat = (xc - corr) * rstd, c1 = rstd * (mean(g * xc) - corr * c2).
-        # One pass over the row either way.
+        # C = [c1, c2] (n_rows each), one pass over the row: with xc = x - hi - lo,
+        # x_hat = xc * rstd and c1 = rstd * mean(g * xc).
         for row0 in range(row_start, row_end, BLOCK_M):
             rows = row0 + tl.arange(0, BLOCK_M)
             row_mask = rows < row_end
             mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
-            if MEAN_LO:
-                lo = tl.load(MEAN + n_rows + rows, mask=row_mask, other=0.0)
+            lo = tl.load(MEAN + n_rows + rows, mask=row_mask, other=0.0)
             rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
             acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
                 col_mask = cols < n_cols
                 dy, x = _load_rows(DY, X, stride_dy, stride_x, row0, row_end, cols, col_mask, BLOCK_M)
                 dy, x = dy.to(tl.float32), x.to(tl.float32)
-                if MEAN_LO:
-                    xc = x - mean[:, None] - lo[:, None]  # padding: g = 0 there
-                else:
-                    xc = tl.where(row_mask[:, None] & col_mask[None, :], x - mean[:, None], 0.0)
-                    acc3 += xc
+                xc = x - mean[:, None] - lo[:, None]  # padding: g = 0 there
                 if HAS_WEIGHT:
                     g = dy * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
                 else:
@@ -338,12 +308,7 @@ def _layer_norm_bwd_kernel(
                 acc1 += g * xc
                 acc2 += g
             c2 = tl.sum(acc2, axis=1) / n_cols
-            if MEAN_LO:
-                c1 = rstd * (tl.sum(acc1, axis=1) / n_cols)
-            else:
-                corr = tl.sum(acc3, axis=1) / n_cols
-                c1 = rstd * (tl.sum(acc1, axis=1) / n_cols - corr * c2)
-                tl.store(C + 2 * n_rows + rows, corr, mask=row_mask)
+            c1 = rstd * (tl.sum(acc1, axis=1) / n_cols)
             tl.store(C + rows, c1, mask=row_mask)
             tl.store(C + n_rows + rows, c2, mask=row_mask)
         # C was written by other threads of this program: make it visible before reading.
@@ -367,11 +332,8 @@ def _layer_norm_bwd_kernel(
                 rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
                 c1 = tl.load(C + rows, mask=row_mask, other=0.0)
                 c2 = tl.load(C + n_rows + rows, mask=row_mask, other=0.0)
-                if MEAN_LO:  # the mean's second term: lo, or the re-centering corr
-                    shift = tl.load(MEAN + n_rows + rows, mask=row_mask, other=0.0)
-                else:
-                    shift = tl.load(C + 2 * n_rows + rows, mask=row_mask, other=0.0)
-                x_hat = tl.where(mask, (x - mean[:, None] - shift[:, None]) * rstd[:, None], 0.0)
+                lo = tl.load(MEAN + n_rows + rows, mask=row_mask, other=0.0)
+                x_hat = tl.where(mask, (x - mean[:, None] - lo[:, None]) * rstd[:, None], 0.0)
                 if HAS_WEIGHT:
                     g = dy * w[None, :]
                 else:
@@ -407,17 +369,11 @@ def _layer_norm_bwd_kernel(
 BWD_BLOCK_ELEMS = 8192
 BWD_MAX_WARPS = 8
 
-# x_hat from the forward's mean pair (hi + lo) with two row sums per row block, (g * x_hat, g),
-# instead of re-centering on the rounded mean with a third, mean(x - hi). Both are as accurate
-# (the tests run both); the pair drops one operand from the block's reduction (its shuffles and
-# shared-memory round: SHFL 42 -> 28, BAR 4 -> 3 per block) and the masking of xc. ptxas
-# (sm_90a, Triton 3.9, bf16, weight and bias, 2 x 4096 at 4 warps, fp32 partials): 255
-# registers either way (the cap: 2 programs of 128 threads fill an SM's 64K), spill stack 40 ->
-# 32 B per thread, loop body 1375 -> 1221 SASS instructions (19 per element); at 8 warps 177 ->
-# 166 registers, no spill (still 1 program per SM). The code of 2026-11-30: 255, 48 B, 1391.
-# (Spills are `cuobjdump -res-usage`'s STACK, with STL/LDL in the loop; its LOCAL, which
-# benchmarks/sass_count.resources reads, stays 0 for these kernels.)
-BWD_MEAN_LO = True
+# (The backward takes x_hat from the forward's mean pair (hi + lo) with two row sums per row
+# block, (g * x_hat, g), where it re-centered on the rounded mean with a third, mean(x - hi),
+# until 2026-11-30: as accurate, one operand less in the block's reduction (SHFL 42 -> 28, BAR
+# 4 -> 3 per block; ptxas sm_90a, Triton 3.9, bf16, 2 x 4096 at 4 warps: loop body 1375 -> 1221
+# SASS instructions) and 197.5 vs 200.0 us fwd+bwd on the H200; the three-sum path was removed.)
 # In-register path: load row block i+1's dy and x (bf16) before block i's reductions, so a
 # program keeps loads in flight across its reduction barrier (2 programs of 4 warps per SM leave
 # little else to hide the latency). Costs the prefetched block's registers: ptxas (as above)
@@ -526,8 +482,8 @@ def _launch_bwd(dy, x, weight, stats, dw_dtype, db_dtype):
     part_dtype = partials_dtype(x.dtype)
     dw_part = torch.empty((n_programs, n_cols) if compute_dw else (1,), dtype=part_dtype, device=x.device)
     db_part = torch.empty((n_programs, n_cols) if compute_db else (1,), dtype=part_dtype, device=x.device)
-    # Per-row scratch (c1, c2, and corr without the mean's lo) for the looped path only; a dummy otherwise.
-    c = torch.empty((2 if BWD_MEAN_LO else 3) * n_rows if cfg.loop else 1, dtype=torch.float32, device=x.device)
+    # Per-row scratch (c1, c2) for the looped path only; a dummy otherwise.
+    c = torch.empty(2 * n_rows if cfg.loop else 1, dtype=torch.float32, device=x.device)
     _layer_norm_bwd_kernel[(n_programs,)](
         dy2, x2, weight.contiguous() if weight is not None else x2, stats, stats[2],
         dx2, dw_part, db_part, c,
@@ -535,7 +491,7 @@ def _launch_bwd(dy, x, weight, stats, dw_dtype, db_dtype):
         n_rows, n_cols, rows_per_program,
         HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, LOOP=cfg.loop,
         EMULATE_RTNE=interpreter_enabled(), ACC_F64=dw_acc_f64(x.dtype),
-        MEAN_LO=BWD_MEAN_LO, TREE_EMU=interpreter_enabled(), PREFETCH=BWD_PREFETCH,
+        TREE_EMU=interpreter_enabled(), PREFETCH=BWD_PREFETCH,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         maxnreg=BWD_MAXNREG if x.element_size() == 2 else None,
     )
@@ -698,7 +654,6 @@ def layer_norm_reference(
 #             *w (1), +b (1)                                                             = 9
 #   backward: x - hi - lo, *rstd (3), g = dy*w (1), g*x_hat and +sum (2), +sum g (1),
 #             dx = (g - c2 - x_hat*c1)*rstd (4), dw += dy*x_hat (2), db += dy (1)         = 14
-#             (BWD_MEAN_LO off: x - mean, +sum, - corr, *rstd (4) in place of the first 3: 15)
 # (the affine terms are counted even without weight/bias: an upper bound by 2-3 FLOP).
 _FWD_FLOPS, _BWD_FLOPS = 9, 14
 

@@ -267,30 +267,27 @@ def sweep_norm_configs() -> list[dict]:
 
 # --- LayerNorm backward variants (run on the GPU; `python -m benchmarks.cases.norms ln_bwd`) ---
 
-# name -> knob settings on top of the module defaults: {(module, attribute): value}. "head" is
-# the code as of 2026-11-30 (225 us fwd+bwd graph replay on the H200). Registers per thread of
-# the backward (ptxas sm_90a, bf16, weight and bias, mean pair; an SM holds 64K): 2 x 4096 at 4
-# warps 255 (prefetch 255 + 320 B spill), at 8 warps 166 (206), at 16 warps 99 (118); 1 x 4096
-# at 4 warps 205 (249), at 8 warps 108 (162; 124 without spill under maxnreg 128). Configs whose
-# 2 programs cannot share an SM (regs x threads > 32K) run with 1 program per SM, or capped.
-_PAIR_OFF, _PREFETCH = {(_ln, "BWD_MEAN_LO"): False}, {(_ln, "BWD_PREFETCH"): True}
-_ONE_PER_SM, _CAP128 = {(_rms, "BWD_PROGRAMS_PER_SM"): 1}, {(_ln, "BWD_MAXNREG"): 128}
-_W8, _W16, _ROW1 = {(_ln, "BWD_MAX_WARPS"): 8}, {(_ln, "BWD_MAX_WARPS"): 16}, {(_ln, "BWD_BLOCK_ELEMS"): 4096}
-_HEAD = {**_PAIR_OFF, (_rms, "PARTIALS_SUM_KERNEL"): False, (_rms, "HALF_PARTIALS_FP32"): False}
+# name -> knob settings on top of the module defaults: {(module, attribute): value}. Registers
+# per thread of the backward (ptxas sm_90a, bf16, weight and bias, mean pair; an SM holds 64K):
+# 2 x 4096 at 4 warps 255 (prefetch 255 + 320 B spill), at 8 warps 166 (206), at 16 warps 99
+# (118); 1 x 4096 at 4 warps 205 (249), at 8 warps 108 (162; 124 without spill under maxnreg
+# 128). Configs whose 2 programs cannot share an SM (regs x threads > 32K) run with 1 program
+# per SM, or capped. The 2026-11-30 03:49 run (`normsweep-h200-20261130T0349-ln-bwd.txt`, when
+# the default was 2 x 4096 at 4 warps uncapped: 197.5 us) also had the three-sum backward
+# (200.0 us; removed), the 02:36 code (219.9), prefetch at 2 x 4096 x 4 warps (307, spills) and
+# 1 x 4096 without prefetch (202-204); the winner, 8 warps capped at 128 (184.5), is the default.
+_PREFETCH, _NOCAP = {(_ln, "BWD_PREFETCH"): True}, {(_ln, "BWD_MAXNREG"): None}
+_ONE_PER_SM = {(_rms, "BWD_PROGRAMS_PER_SM"): 1}
+_W4, _W16, _ROW1 = {(_ln, "BWD_MAX_WARPS"): 4}, {(_ln, "BWD_MAX_WARPS"): 16}, {(_ln, "BWD_BLOCK_ELEMS"): 4096}
 LN_BWD_VARIANTS: dict[str, dict] = {
-    "head: 3 sums, torch 2nd stage, fp64 partials": _HEAD,
-    "default (pair, fp32 partials, sum kernel)": {},
-    "default, 3 sums": _PAIR_OFF,
+    "default (2 x 4096, 8 warps, maxnreg 128, sum kernel)": {},
+    "2 x 4096, 4 warps, uncapped (before 03:49)": {**_W4, **_NOCAP},
     "default, torch 2nd stage": {(_rms, "PARTIALS_SUM_KERNEL"): False},
     "default, fp64 partials": {(_rms, "HALF_PARTIALS_FP32"): False},
     "default, sum tile 64 rows (loops)": {(_rms, "PARTIALS_MAX_BLOCK_P"): 64},
-    "default + prefetch": _PREFETCH,
-    "default, 8 warps, maxnreg 128": {**_W8, **_CAP128},
-    "default + prefetch, 16 warps, 1/SM": {**_PREFETCH, **_W16, **_ONE_PER_SM},
-    "default, 1 row x 4 warps": _ROW1,
-    "default + prefetch, 1 row x 4 warps": {**_PREFETCH, **_ROW1},
-    "default, 1 row x 8 warps": {**_ROW1, **_W8},
-    "default + prefetch, 1 row x 8 warps, maxnreg 128": {**_PREFETCH, **_ROW1, **_W8, **_CAP128},
+    "+ prefetch, 1 row x 8 warps, maxnreg 128": {**_PREFETCH, **_ROW1},
+    "+ prefetch, 1 row x 4 warps, uncapped": {**_PREFETCH, **_ROW1, **_W4, **_NOCAP},
+    "+ prefetch, 16 warps, 1/SM, uncapped": {**_PREFETCH, **_W16, **_ONE_PER_SM, **_NOCAP},
 }
 RMS_BWD_VARIANTS: dict[str, dict] = {
     "head: torch 2nd stage, fp64 partials": {(_rms, "PARTIALS_SUM_KERNEL"): False, (_rms, "HALF_PARTIALS_FP32"): False},

@@ -84,15 +84,11 @@ def _check(x, w, b, eps=1e-5, dy_scale=1.0):
 
 def _kernel_x_hat(x, stats):
     """x_hat as the backward computes it from the saved stats (mean hi, mean lo, rstd), in fp32:
-    with BWD_MEAN_LO, (x - hi - lo) * rstd, the same operations in the same order (so the same
-    fp32 values); without, re-centred on the residuals' mean as the kernel does (to its rounding)."""
+    (x - hi - lo) * rstd, the same operations in the same order (so the same fp32 values)."""
     n_rows = stats[0].numel()
     x2 = x.reshape(n_rows, -1)
     hi, lo, rstd = (t.reshape(n_rows, 1) for t in stats)
-    if layer_norm_module.BWD_MEAN_LO:
-        return (x2 - hi - lo) * rstd
-    xc = x2 - hi
-    return (xc - xc.mean(-1, keepdim=True)) * rstd
+    return (x2 - hi - lo) * rstd
 
 
 # fp32 dweight against the fp64 reference only up to this many rows. Past it, the fp32 terms
@@ -183,14 +179,12 @@ def test_saved_mean_pair(shape, mean, device):
     assert_close(y, layer_norm_reference(x.double(), None, None, 1e-5))
 
 
-@pytest.mark.parametrize("variant", ["three_sums", "prefetch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backward_variants(variant, dtype, monkeypatch, device):
-    """The non-default backward knobs against the same table: BWD_MEAN_LO off (x_hat re-centred
-    on the rounded mean with a third row sum; in-register and looped, and at |mean| 1000 where
-    the re-centering matters) and BWD_PREFETCH on (the next row block loaded before this one's
-    math: bitwise the same results as without, several blocks per program and a partial last one)."""
-    knob, value = {"three_sums": ("BWD_MEAN_LO", False), "prefetch": ("BWD_PREFETCH", True)}[variant]
+def test_backward_prefetch_variant(dtype, monkeypatch, device):
+    """The non-default backward knob against the same table: BWD_PREFETCH on (the next row block
+    loaded before this one's math; in-register and looped, and at |mean| 1000): bitwise the same
+    results as without, several blocks per program and a partial last one."""
+    knob, value = "BWD_PREFETCH", True
     cases = [((37, 781), 0.5, "weight+bias"), ((9, 300), 1e3, "weight+bias"), ((23, 150), 0.5, "bias")]
     for shape, mean, affine in cases:
         x, w, b = _inputs(shape, dtype, device, affine, seed=7, mean=mean)
@@ -199,9 +193,8 @@ def test_backward_variants(variant, dtype, monkeypatch, device):
         got = _grads(x, w, b)
         _check(x, w, b)
         monkeypatch.setattr(layer_norm_module, knob, not value)
-        if variant == "prefetch":
-            for a, c in zip(got, base):
-                assert torch.equal(a, c)
+        for a, c in zip(got, base):
+            assert torch.equal(a, c)
     monkeypatch.setattr(layer_norm_module, knob, value)
     monkeypatch.setattr(rms_norm_module, "MAX_FUSED_N", 64)  # the looped path (prefetch: unused there)
     monkeypatch.setattr(rms_norm_module, "LOOP_BLOCK_N", 32)
@@ -451,12 +444,11 @@ def test_kernels_compile_for_sm90():
                 variants.append(("_layer_norm_fwd_kernel", dtype, dict(
                     HAS_WEIGHT=affine, HAS_BIAS=affine, LOOP=f.loop, EMULATE_RTNE=False, TREE_EMU=False,
                     BLOCK_M=f.block_m, BLOCK_N=f.block_n), f.num_warps))
-                # HALF_DW_ACC_FP64 both ways, BWD_MEAN_LO both ways, BWD_PREFETCH (in-register path only)
-                for acc64, mean_lo, prefetch in ((True, True, False), (False, True, False), (False, False, False),
-                                                 (False, True, not b.loop)):
+                # HALF_DW_ACC_FP64 both ways, BWD_PREFETCH (in-register path only)
+                for acc64, prefetch in ((True, False), (False, False), (False, not b.loop)):
                     variants.append(("_layer_norm_bwd_kernel", dtype, dict(
                         HAS_WEIGHT=affine, COMPUTE_DW=affine, COMPUTE_DB=affine, LOOP=b.loop, EMULATE_RTNE=False,
-                        ACC_F64=acc64, MEAN_LO=mean_lo, TREE_EMU=False, PREFETCH=prefetch,
+                        ACC_F64=acc64, TREE_EMU=False, PREFETCH=prefetch,
                         BLOCK_M=b.block_m, BLOCK_N=b.block_n), b.num_warps, partial_ptrs(acc64)))
     aot_compile("kprof.kernels.layer_norm", variants)
 
