@@ -7,19 +7,15 @@ CUDA events, while nvidia-smi samples SM clock, power and the active clock-throt
 
 from __future__ import annotations
 
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.clocks import sustained  # noqa: E402
 from kprof.kernels import bias_gelu as bg  # noqa: E402
-
-QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
 
 def main() -> int:
@@ -37,29 +33,7 @@ def main() -> int:
             with torch.cuda.graph(g):
                 for i in range(8):
                     f[i % 2]()
-            g.replay()
-            torch.cuda.synchronize()
-            smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", "50"],
-                                   stdout=subprocess.PIPE, text=True)
-            times, t_end = [], time.time() + 3.0
-            while time.time() < t_end:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                g.replay()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) * 1e3 / 8)
-            smi.terminate()
-            out = smi.communicate()[0]
-            rows = [r.split(", ") for r in out.strip().splitlines() if r.count(",") == 3]
-            clk = [float(r[0]) for r in rows]
-            pw = [float(r[1]) for r in rows if r[1].replace(".", "").isdigit()]
-            reasons = sorted({r[3] for r in rows})
-            q = statistics.quantiles(times, n=10)
-            print(f"{approx:4s} per call: median {statistics.median(times):6.1f} us, p10 {q[0]:6.1f}, p90 {q[-1]:6.1f} "
-                  f"({len(times)} replays); SM clock MHz min/median/max {min(clk):.0f}/{statistics.median(clk):.0f}/{max(clk):.0f}; "
-                  f"power W median/max {statistics.median(pw):.0f}/{max(pw):.0f}; throttle reasons {reasons}; "
-                  f"temp {rows[-1][2]} C", flush=True)
+            print(f"{approx:4s} {sustained(g, 8)}", flush=True)
             del g
     return 0
 

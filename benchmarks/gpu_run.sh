@@ -55,7 +55,7 @@ if has ncu; then
   grep -E "_kernel|dram__bytes|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|DRAM Throughput|Block Size|Grid Size" "$OUT/ncu.log" | head -120
 fi
 if has debug; then
-  for f in benchmarks/debug_*.py; do [ -f "$f" ] && timeout ${DEBUG_TIMEOUT:-120} python3 "$f" 2>&1 | tee -a "$OUT/debug.log" | tail -40; done
+  for f in benchmarks/${DEBUG_GLOB:-debug_*.py}; do [ -f "$f" ] && timeout ${DEBUG_TIMEOUT:-120} python3 "$f" 2>&1 | tee -a "$OUT/debug.log" | tail -40; done
 fi
 if has calibrate; then
   timeout 90 kprof calibrate 2>&1 | tee "$OUT/calibrate.log" | tail -20

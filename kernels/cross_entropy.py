@@ -294,6 +294,153 @@ def _ce_fwd_kernel(
 
 
 @triton.jit
+def _ce_split_kernel(
+    logits_ptr,
+    stride_l,
+    target_ptr,
+    grad_ptr,  # may be logits_ptr (in place): a program reads its own segment before writing it
+    stride_g,
+    loss_ptr,
+    scale_ptr,
+    scale_stride,
+    part_ptr,  # fp32 [n_rows, 3, S_POW2]: per segment max m, sum exp(z - m), sum (z - m)
+    sync_ptr,  # int32 [1 + n_rows], zeroed: [0] the work ticket, [1 + r] row r's segments published
+    n_rows,
+    n_cols,
+    n_segs,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    PHASE: tl.constexpr,  # 0: one cooperative launch (GPU); 1 then 2: two launches (interpreter)
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    SEG: tl.constexpr,  # columns per segment, held in registers from load to gradient
+    S_POW2: tl.constexpr,  # next power of two >= n_segs
+    FAST: tl.constexpr,
+):
+    # Each row is cut into n_segs segments of SEG columns; a work item is one segment. The
+    # program loads its segment into registers once, publishes the segment's (max, sum exp,
+    # sum) and, in PHASE 0, waits until every segment of the row has published, combines the
+    # n_segs partials into the row's logsumexp and writes the gradient from the registers. Each
+    # logit is read from DRAM once, and nothing depends on a row staying in L2 (the looped
+    # kernel's limit: one program per SM, and V = 256000 rows do not fit L2 at all).
+    # Work items are handed out by an atomic ticket in row-major order, so the segments of a row
+    # go to programs that are already running: a program waits only on work taken before or
+    # just after its own, and with n_programs >= n_segs the last row's segments always find a
+    # program (no deadlock, whatever order the hardware starts programs in).
+    # The interpreter runs programs one after another, so there PHASE 1 (all partials) and
+    # PHASE 2 (reload, combine, gradient) are two launches over the same helpers.
+    cols_l = tl.arange(0, SEG)
+    total = n_rows * n_segs
+    if PHASE == 0:
+        t = tl.atomic_add(sync_ptr, 1)
+    else:
+        t = tl.program_id(0)
+    while t < total:
+        row = t // n_segs
+        seg = t - row * n_segs
+        row64 = tl.zeros([], tl.int64) + row
+        c0 = seg * SEG
+        cols = c0 + cols_l
+        mask = cols < n_cols
+        y = tl.load(target_ptr + row).to(tl.int32)
+        if y == ignore_index:
+            if PHASE != 1:
+                if COMPUTE_GRAD:
+                    tl.store(grad_ptr + row64 * stride_g + cols, tl.zeros([SEG], tl.float32).to(grad_ptr.dtype.element_ty), mask=mask)
+                if seg == 0:
+                    tl.store(loss_ptr + row, 0.0)
+        else:
+            x_row = logits_ptr + row64 * stride_l
+            raw = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+            owner = (y >= c0) & (y < c0 + SEG)  # this segment holds the target column
+            # The target logit (its owner's; the others read their first column, unused). Read
+            # before this program publishes, so before its own gradient store, the only store
+            # to the segment.
+            z_y_raw = tl.load(x_row + tl.where(owner, y, c0))
+            z, th = _ce_prep(raw, mask, softcap, True, HAS_SOFTCAP)
+            m_s = tl.max(z, 0)
+            m_s_sub = tl.where(m_s == float("-inf"), 0.0, m_s)
+            # e is all the gradient needs of z later: exp(z - m) = e * exp(m_s - m). Keeping it
+            # instead of z saves the second exp per column and keeps one fp32 value a column
+            # live across the wait.
+            e = exp_fast(z - m_s_sub, FAST)
+            p_row = part_ptr + row64 * (3 * S_POW2)
+            if PHASE != 2:
+                tl.store(p_row + seg, m_s)
+                tl.store(p_row + S_POW2 + seg, tl.sum(e, 0))
+                if HAS_SMOOTHING:
+                    tl.store(p_row + 2 * S_POW2 + seg, tl.sum(tl.where(mask, z - m_s_sub, 0.0), 0))
+            if PHASE == 0:
+                # Release: every thread's partial stores are ordered before the count (the
+                # barrier makes them visible to the thread issuing the atomic). Acquire (Triton
+                # turns the add of 0 into ld.acquire), then a barrier so that all threads'
+                # partial loads come after it; they bypass L1 (.cg), which may hold a stale
+                # line of this row's partials.
+                tl.debug_barrier()
+                tl.atomic_add(sync_ptr + 1 + row, 1, sem="release")
+                seen = tl.atomic_add(sync_ptr + 1 + row, 0, sem="acquire")
+                while seen < n_segs:
+                    seen = tl.atomic_add(sync_ptr + 1 + row, 0, sem="acquire")
+                tl.debug_barrier()
+            if PHASE != 1:
+                segs = tl.arange(0, S_POW2)
+                live = segs < n_segs
+                m_i = tl.load(p_row + segs, mask=live, other=float("-inf"), cache_modifier=".cg")
+                d_i = tl.load(p_row + S_POW2 + segs, mask=live, other=0.0, cache_modifier=".cg")
+                m = tl.max(m_i, 0)
+                m_sub = tl.where(m == float("-inf"), 0.0, m)
+                msub_i = tl.where(m_i == float("-inf"), 0.0, m_i)
+                # exp(m_i - m_sub), not exp(msub_i - m_sub): a segment of -inf (or a dead lane)
+                # then weighs 0, where exp(0 - m_sub) overflows for a very negative row max.
+                d = tl.sum(d_i * exp_fast(m_i - m_sub, FAST), 0)
+                log_d = tl.log(d)
+                lse = m + log_d
+                scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
+                p_coef = scale / d
+                if HAS_Z_LOSS:
+                    p_coef = p_coef * (1.0 + 2.0 * z_loss * lse)
+                smooth_g = 0.0
+                if HAS_SMOOTHING:
+                    smooth_g = scale * (label_smoothing / n_cols)
+                target_g = scale * (1.0 - label_smoothing)
+                if COMPUTE_GRAD:
+                    # _ce_grad_block's exp(z - m) * p_coef, from e; the target column after.
+                    g = e * (exp_fast(m_s - m_sub, FAST) * p_coef)
+                    if HAS_SMOOTHING:
+                        g = g - smooth_g
+                    if HAS_SOFTCAP:
+                        g = g * (1.0 - th * th)
+                    tl.store(grad_ptr + row64 * stride_g + cols, g.to(grad_ptr.dtype.element_ty), mask=mask, cache_modifier=".cs")
+                if owner:
+                    # The row's loss, log d + (1-eps) (m - z_y) - eps/V sum_j (z_j - m)
+                    # (+ z_loss lse^2), and the target column's gradient.
+                    z_y, t_y = _ce_prep(z_y_raw, None, softcap, False, HAS_SOFTCAP)
+                    if HAS_SMOOTHING:
+                        s_i = tl.load(p_row + 2 * S_POW2 + segs, mask=live, other=0.0, cache_modifier=".cg")
+                        n_i = tl.minimum(n_cols - segs * SEG, SEG).to(tl.float32)
+                        s = tl.sum(tl.where(live, s_i + n_i * (msub_i - m), 0.0), 0)
+                        loss = log_d + (1.0 - label_smoothing) * (m - z_y) - (label_smoothing / n_cols) * s
+                    else:
+                        loss = log_d + (m - z_y)
+                    if HAS_Z_LOSS:
+                        loss += z_loss * lse * lse
+                    tl.store(loss_ptr + row, loss)
+                    if COMPUTE_GRAD:
+                        # after the block store of the same address by another thread
+                        tl.debug_barrier()
+                        g_y = _ce_grad_block(z_y, t_y, True, m, p_coef, smooth_g, target_g, HAS_SMOOTHING, HAS_SOFTCAP, True, FAST)
+                        tl.store(grad_ptr + row64 * stride_g + y, g_y.to(grad_ptr.dtype.element_ty))
+        if PHASE == 0:
+            t = tl.atomic_add(sync_ptr, 1)
+        else:
+            t = total
+
+
+@triton.jit
 def _scale_kernel(
     grad_ptr,  # contiguous
     scale_ptr,  # fp32: one value (SCALAR) or one per row of a [n_rows, n_cols] grad
@@ -352,10 +499,20 @@ class CEConfig:
     num_warps: int
     n_programs: int  # persistent grid size
     single_block: bool  # whole row in one block (loaded once)
+    # > 0: the row is split into segments of this many columns, one work item each, every logit
+    # read once (`_ce_split_kernel`); 0: the looped kernel's two passes over the row.
+    seg: int = 0
 
     # Rows up to this many columns are loaded once and held in registers: 16384 over 16 warps
     # is 32 values a thread (127 registers, no spills), one program per SM.
     single_block_max = 16384
+    # The split kernel (`_ce_split_kernel`) for longer rows on the GPU: segment columns, warps,
+    # programs per SM (a cap: residency is set by registers), and the most segments a row (the
+    # combine holds all of a row's partials in one block). TENTATIVE, to be measured.
+    split_seg = 4096
+    split_warps = 8
+    split_per_sm = 16
+    split_max_segs = 256
 
     @classmethod
     def for_problem(cls, n_rows: int, n_cols: int, dtype: torch.dtype, device: torch.device) -> "CEConfig":
@@ -390,6 +547,10 @@ class CEConfig:
         # (tl.range num_stages 2-4: cp.async into shared memory, 48-56 registers) in place of
         # the registers-only prefetch: 1.47 ms at best (4 stages, 96 KB of shared memory; 2
         # stages 1.91 ms) against 1.263 ms; each pipelined iteration adds a block-wide barrier.
+        n_segs = triton.cdiv(n_cols, cls.split_seg)
+        if n_segs <= cls.split_max_segs:
+            return cls(cls.split_seg, cls.split_warps, max(n_segs, min(n_rows * n_segs, cls.split_per_sm * n_sm)), False,
+                       cls.split_seg)
         return cls(16384, 32, max(1, min(n_rows, n_sm)), False)
 
 
@@ -452,6 +613,10 @@ def _ce_fwd_launch(
     cfg = config or CEConfig.for_problem(n_rows, n_cols, logits.dtype, logits.device)
     compute_grad = grad is not None
     g = grad if compute_grad else logits  # unused pointer when not computing the grad
+    if cfg.seg:
+        _ce_split_launch(logits, target, g, loss_rows, grad_scale, ignore_index, label_smoothing, z_loss, softcap,
+                         cfg, compute_grad)
+        return
     _ce_fwd_kernel[(cfg.n_programs,)](
         logits,
         logits.stride(0),
@@ -477,6 +642,29 @@ def _ce_fwd_launch(
         FAST=fast_math(logits),
         num_warps=cfg.num_warps,
     )
+
+
+def _ce_split_launch(logits, target, g, loss_rows, grad_scale, ignore_index, label_smoothing, z_loss, softcap,
+                     cfg: "CEConfig", compute_grad: bool) -> None:
+    n_rows, n_cols = logits.shape
+    n_segs = triton.cdiv(n_cols, cfg.seg)
+    s_pow2 = triton.next_power_of_2(n_segs)
+    dev = logits.device
+    part = torch.empty((n_rows, 3, s_pow2), dtype=torch.float32, device=dev)
+    cooperative = dev.type == "cuda"
+    if cooperative and cfg.n_programs < n_segs:
+        raise KprofError(f"internal: CEConfig runs {cfg.n_programs} programs for {n_segs} segments a row; need >= n_segs")
+    # Zeroed every launch: the ticket and the per-row counts (n_rows + 1 int32, one memset).
+    sync = torch.zeros(1 + n_rows if cooperative else 1, dtype=torch.int32, device=dev)
+    args = (logits, logits.stride(0), target, g, g.stride(0), loss_rows, grad_scale, 0 if grad_scale.numel() == 1 else 1,
+            part, sync, n_rows, n_cols, n_segs, ignore_index, float(label_smoothing), float(z_loss), float(softcap))
+    kw = dict(HAS_SMOOTHING=label_smoothing > 0.0, HAS_Z_LOSS=z_loss != 0.0, HAS_SOFTCAP=softcap > 0.0,
+              COMPUTE_GRAD=compute_grad, SEG=cfg.seg, S_POW2=s_pow2, FAST=fast_math(logits), num_warps=cfg.num_warps)
+    if cooperative:
+        _ce_split_kernel[(cfg.n_programs,)](*args, PHASE=0, **kw)
+    else:
+        for phase in (1, 2):
+            _ce_split_kernel[(n_rows * n_segs,)](*args, PHASE=phase, **kw)
 
 
 def _scale_launch(grad: torch.Tensor, scale: torch.Tensor) -> None:

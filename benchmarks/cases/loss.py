@@ -32,6 +32,7 @@ import importlib
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from benchmarks.cases import Case
 
@@ -161,61 +162,65 @@ CASES: list[Case] = [
 # --- launch-config sweep for the CE kernel (run on the GPU; not part of CASES) ---------------
 
 
-def sweep_ce_configs(n: int = _N, v: int = _V, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+def sweep_ce_configs(n: int = _N, v: int = _V, dtype: torch.dtype = torch.bfloat16, softcap: float = 0.0,
+                     segs=(2048, 4096, 8192, 16384), warps=(4, 8, 16, 32), per_sms=(4, 16)) -> list[dict]:
     """Time kprof's fused CE forward (which writes the gradient) over launch configs at one shape,
-    after checking each config against the default one. `python -m benchmarks.cases.loss`.
+    after checking each config against the looped kernel's validated config (`LOOPED`).
+    `python -m benchmarks.cases.loss ce [ce_gemma]`.
 
     The forward alone is the CE case's fwd+bwd with grad_output == 1 (the backward is skipped).
-    Returns rows sorted by time; the first is what `CEConfig.for_problem` should pick.
+    Timing: two launches back to back in a CUDA graph on two input sets, replay time / 2, median
+    of three do_bench medians (bench_kernels.graph_time_us, the kernels table's basis).
+    Configs: the split kernel (`_ce_split_kernel`) over segment size x warps (8-64 columns a
+    thread) x programs per SM, and the looped kernel's config. Returns rows sorted by time.
     """
-    import triton.testing
-
+    from benchmarks.bench_kernels import graph_time_us
     from kprof.kernels._common import assert_close
 
     dev = torch.device("cuda")
-    logits = (torch.randn(n, v, device=dev) * 2).to(dtype)
-    target = _targets(n, v, "cuda")
-    scale = 1.0 / (target != -100).sum().float()
-    loss_ref = torch.empty(n, device=dev)
-    grad_ref = torch.empty_like(logits)
-    default = _ce.CEConfig.for_problem(n, v, dtype, dev)
-    _ce._ce_fwd_launch(logits, target, grad_ref, loss_ref, scale, -100, 0.0, 0.0, 0.0, config=default)
     n_sm = torch.cuda.get_device_properties(dev).multi_processor_count
-    elem = logits.element_size()
-    configs = {default}
-    # 2026-11-29, the first kernel: 64 configs (8-64 KB blocks, 4-32 warps, 1-4 programs per
-    # SM); 4-warp and 8 KB configs were never within 15% of the best. The in-thread row loop
-    # changes the trade-off (no barrier per block), so the middle of that range is re-swept.
-    for block_bytes in (16384, 32768, 65536):
-        for warps in (8, 16, 32):
-            for per_sm in (1, 2):
-                configs.add(_ce.CEConfig(block_bytes // elem, warps, per_sm * n_sm, False))
+    sets = []
+    for _ in range(2):
+        logits = (torch.randn(n, v, device=dev) * 2).to(dtype)
+        target = _targets(n, v, "cuda")
+        sets.append((logits, target, 1.0 / (target != -100).sum().float(), torch.empty(n, device=dev), torch.empty_like(logits)))
+    looped = _ce.CEConfig(16384, 32, n_sm, False)
+    logits, target, scale, _, _ = sets[0]
+    loss_ref, grad_ref = torch.empty(n, device=dev), torch.empty_like(logits)
+    _ce._ce_fwd_launch(logits, target, grad_ref, loss_ref, scale, -100, 0.0, 0.0, softcap, config=looped)
+    default = _ce.CEConfig.for_problem(n, v, dtype, dev)
+    configs = {default, looped}
+    for seg in segs:
+        for w in warps:
+            if 8 <= seg // (32 * w) <= 64:
+                for per_sm in per_sms:
+                    configs.add(_ce.CEConfig(seg, w, max(per_sm * n_sm, triton.cdiv(v, seg)), False, seg))
     nbytes = _ce._ce_cost(n, v, dtype)["fwd"].bytes
     rows = []
-    for cfg in sorted(configs, key=lambda c: (c.block, c.num_warps, c.n_programs)):
-        loss = torch.empty(n, device=dev)
-        grad = torch.empty_like(logits)
+    for cfg in sorted(configs, key=lambda c: (c.seg, c.block, c.num_warps, c.n_programs)):
+        def step(i, cfg=cfg):
+            lg, tg, sc, ls, gr = sets[i]
+            _ce._ce_fwd_launch(lg, tg, gr, ls, sc, -100, 0.0, 0.0, softcap, config=cfg)
+
         try:
-            _ce._ce_fwd_launch(logits, target, grad, loss, scale, -100, 0.0, 0.0, 0.0, config=cfg)
-            assert_close(loss, loss_ref)
-            assert_close(grad, grad_ref)
+            step(0)
+            assert_close(sets[0][3], loss_ref, msg="loss")
+            assert_close(sets[0][4], grad_ref, msg="grad")
+            us, spread = graph_time_us([functools.partial(step, 0), functools.partial(step, 1)], [], calls=2)
         except Exception as e:  # noqa: BLE001 - a config that fails to compile or is wrong is a result
-            rows.append({"config": cfg, "ms": float("nan"), "note": f"{type(e).__name__}: {e}"[:120]})
+            rows.append({"config": cfg, "us": float("nan"), "note": f"{type(e).__name__}: {e}"[:160]})
             continue
-        ms = triton.testing.do_bench(
-            lambda: _ce._ce_fwd_launch(logits, target, grad, loss, scale, -100, 0.0, 0.0, 0.0, config=cfg),
-            warmup=10, rep=100, return_mode="median",
-        )
-        rows.append({"config": cfg, "ms": ms, "tbps": nbytes / (ms * 1e-3) / 1e12, "default": cfg == default})
-    rows.sort(key=lambda r: (r["ms"] != r["ms"], r["ms"]))
+        rows.append({"config": cfg, "us": us, "spread": spread, "tbps": nbytes / (us * 1e-6) / 1e12,
+                     "default": cfg == default})
+    rows.sort(key=lambda r: (r["us"] != r["us"], r["us"]))
+    print(f"CE {n} x {v} {dtype} softcap={softcap}: graph time per call (2 back to back), median of 3 (spread)")
     for r in rows:
         c = r["config"]
-        print(f"block={c.block:6d} warps={c.num_warps:2d} programs={c.n_programs:4d} "
-              f"{r['ms']:.3f} ms {r.get('tbps', float('nan')):.2f} TB/s {'(default)' if r.get('default') else ''}"
-              f"{r.get('note', '')}")
+        kind = f"split seg={c.seg:6d}" if c.seg else f"looped block={c.block:5d}"
+        print(f"{kind} warps={c.num_warps:2d} programs={c.n_programs:5d} {r['us']:8.1f} us "
+              f"({r.get('spread', float('nan')):.1f}) {r.get('tbps', float('nan')):.2f} TB/s "
+              f"{'(default)' if r.get('default') else ''}{r.get('note', '')}", flush=True)
     return rows
-
-
 
 
 def sweep_lce_chunks(chunks=(256, 384, 512, 768, 1024, 2048), accum_dtypes=(None, torch.float32)) -> list[dict]:
@@ -361,6 +366,8 @@ if __name__ == "__main__":
     what = sys.argv[1:] or ["ce", "lce_parts", "lce", "lce_profile"]
     if "ce" in what:
         sweep_ce_configs()
+    if "ce_gemma" in what:
+        sweep_ce_configs(_GN, _GV, softcap=_CAP, segs=(4096, 8192, 16384), warps=(8, 16), per_sms=(16,))
     if "lce_parts" in what:
         sweep_lce_parts()
     if "lce" in what:
