@@ -311,6 +311,33 @@ def _ce_split_fetch(t, total, n_segs, logits_ptr, stride_l, target_ptr, n_cols, 
 
 
 @triton.jit
+def _ce_split_stats(raw, mask, softcap, HAS_SOFTCAP: tl.constexpr, FAST: tl.constexpr):
+    # A segment's values after the softcap (masked lanes -inf), tanh for the softcap's gradient,
+    # its max m_s, and e = exp(z - m_s): all the gradient needs of z later, since
+    # exp(z - m) = e * exp(m_s - m). Keeping e instead of z saves the second exp per column.
+    z, th = _ce_prep(raw, mask, softcap, True, HAS_SOFTCAP)
+    m_s = tl.max(z, 0)
+    m_s_sub = tl.where(m_s == float("-inf"), 0.0, m_s)
+    e = exp_fast(z - m_s_sub, FAST)
+    return z, th, m_s, m_s_sub, e
+
+
+@triton.jit
+def _ce_split_publish(z, mask, m_s, m_s_sub, e, p_row, seg, count_ptr, S_POW2: tl.constexpr,
+                      HAS_SMOOTHING: tl.constexpr, RELEASE: tl.constexpr):
+    # Store the segment's partials (max, sum exp(z - m_s), sum (z - m_s)) and, RELEASE (the
+    # cooperative launch), count the segment as published. The barrier makes every thread's
+    # partial stores visible to the thread issuing the release atomic.
+    tl.store(p_row + seg, m_s)
+    tl.store(p_row + S_POW2 + seg, tl.sum(e, 0))
+    if HAS_SMOOTHING:
+        tl.store(p_row + 2 * S_POW2 + seg, tl.sum(tl.where(mask, z - m_s_sub, 0.0), 0))
+    if RELEASE:
+        tl.debug_barrier()
+        tl.atomic_add(count_ptr, 1, sem="release")
+
+
+@triton.jit
 def _ce_split_kernel(
     logits_ptr,
     stride_l,
@@ -339,22 +366,25 @@ def _ce_split_kernel(
     FAST: tl.constexpr,
 ):
     # Each row is cut into n_segs segments of SEG columns; a work item is one segment. The
-    # program loads its segment into registers once, publishes the segment's (max, sum exp,
-    # sum) and, in PHASE 0, waits until every segment of the row has published, combines the
-    # n_segs partials into the row's logsumexp and writes the gradient from the registers. Each
-    # logit is read from DRAM once, and nothing depends on a row staying in L2 (the looped
-    # kernel's limit: one program per SM, and V = 256000 rows do not fit L2 at all).
-    # Work items are handed out by an atomic ticket in row-major order, so the segments of a row
-    # go to programs that are already running: a program waits only on work taken before or
-    # just after its own, and with n_programs >= n_segs the last row's segments always find a
-    # program (no deadlock, whatever order the hardware starts programs in).
+    # program loads its segment into registers once, publishes the segment's partials and, in
+    # PHASE 0, waits until every segment of the row has published, combines the n_segs partials
+    # into the row's logsumexp and writes the gradient from the registers. Each logit is read
+    # from DRAM once, and nothing depends on a row staying in L2 (the looped kernel's limit).
     # The interpreter runs programs one after another, so there PHASE 1 (all partials) and
     # PHASE 2 (reload, combine, gradient) are two launches over the same helpers.
-    # Each work item is a chain of dependent round trips (ticket -> target -> segment ->
-    # publish -> poll -> partials -> store, ~4.5 us measured: 1.56 ms at best for 8192 x 128256
-    # with them exposed, H200 2026-11-30), so the next item's ticket and loads are issued
-    # before this one's reductions and wait. Safe: a program publishes its current item before
-    # it waits, and the next one's loads read only that segment, which no one else writes.
+    #
+    # Work items come from an atomic ticket in row-major order, so they only go to programs that
+    # are running. Each item is a chain of dependent round trips (ticket -> target -> segment ->
+    # publish -> poll -> partials -> store; ~4.5 us, measured 1.56 ms at best for 8192 x 128256
+    # with them exposed, H200 2026-11-30), so a program takes its next ticket and issues that
+    # item's loads right after publishing the current one, before the wait.
+    # No deadlock: a program only waits after publishing its current item, and the one item it
+    # holds unpublished (the next) has a later ticket. Of the oldest row still incomplete, every
+    # missing item is either untaken (the next tickets, taken by any program that is not
+    # waiting) or held as "next" by a program whose current item is older: in a complete row
+    # (it will finish) or in the same row. That last case (a program's next item in the row it
+    # waits on, e.g. near the end or with few programs) is the one that would wait on itself,
+    # so the program publishes that next item's partials before it waits (`pub`).
     cols_l = tl.arange(0, SEG)
     total = n_rows * n_segs
     if PHASE == 0:
@@ -362,51 +392,55 @@ def _ce_split_kernel(
     else:
         t = tl.program_id(0)
     y, raw, z_y_raw = _ce_split_fetch(t, total, n_segs, logits_ptr, stride_l, target_ptr, n_cols, ignore_index, SEG)
+    pub = t < 0  # False: whether the current item's partials were already published
     while t < total:
-        if PHASE == 0:
-            t_nxt = tl.atomic_add(sync_ptr, 1)
-        else:
-            t_nxt = total
-        y_nxt, raw_nxt, z_y_nxt = _ce_split_fetch(t_nxt, total, n_segs, logits_ptr, stride_l, target_ptr, n_cols,
-                                                  ignore_index, SEG)
         row = t // n_segs
         seg = t - row * n_segs
         row64 = tl.zeros([], tl.int64) + row
         c0 = seg * SEG
         cols = c0 + cols_l
         mask = cols < n_cols
-        if y == ignore_index:
+        p_row = part_ptr + row64 * (3 * S_POW2)
+        count_ptr = sync_ptr + 1 + row
+        valid = y != ignore_index
+        if valid:
+            z, th, m_s, m_s_sub, e = _ce_split_stats(raw, mask, softcap, HAS_SOFTCAP, FAST)
+            if PHASE != 2:
+                if not pub:
+                    _ce_split_publish(z, mask, m_s, m_s_sub, e, p_row, seg, count_ptr, S_POW2, HAS_SMOOTHING, PHASE == 0)
+        else:
+            z = tl.zeros([SEG], tl.float32)
+            th = z
+            e = z
+            m_s = 0.0
+        if PHASE == 0:
+            t_nxt = tl.atomic_add(sync_ptr, 1)
+        else:
+            t_nxt = total
+        y_nxt, raw_nxt, z_y_nxt = _ce_split_fetch(t_nxt, total, n_segs, logits_ptr, stride_l, target_ptr, n_cols,
+                                                  ignore_index, SEG)
+        pub_nxt = t_nxt < 0
+        if PHASE == 0:
+            if valid & (t_nxt < total) & (t_nxt // n_segs == row):
+                seg_n = t_nxt - row * n_segs
+                mask_n = seg_n * SEG + cols_l < n_cols
+                z_n, th_n, m_n, m_n_sub, e_n = _ce_split_stats(raw_nxt, mask_n, softcap, HAS_SOFTCAP, FAST)
+                _ce_split_publish(z_n, mask_n, m_n, m_n_sub, e_n, p_row, seg_n, count_ptr, S_POW2, HAS_SMOOTHING, True)
+                pub_nxt = t_nxt >= 0
+        if not valid:
             if PHASE != 1:
                 if COMPUTE_GRAD:
                     tl.store(grad_ptr + row64 * stride_g + cols, tl.zeros([SEG], tl.float32).to(grad_ptr.dtype.element_ty), mask=mask)
                 if seg == 0:
                     tl.store(loss_ptr + row, 0.0)
         else:
-            owner = (y >= c0) & (y < c0 + SEG)  # this segment holds the target column
-            z, th = _ce_prep(raw, mask, softcap, True, HAS_SOFTCAP)
-            m_s = tl.max(z, 0)
-            m_s_sub = tl.where(m_s == float("-inf"), 0.0, m_s)
-            # e is all the gradient needs of z later: exp(z - m) = e * exp(m_s - m). Keeping it
-            # instead of z saves the second exp per column and keeps one fp32 value a column
-            # live across the wait.
-            e = exp_fast(z - m_s_sub, FAST)
-            p_row = part_ptr + row64 * (3 * S_POW2)
-            if PHASE != 2:
-                tl.store(p_row + seg, m_s)
-                tl.store(p_row + S_POW2 + seg, tl.sum(e, 0))
-                if HAS_SMOOTHING:
-                    tl.store(p_row + 2 * S_POW2 + seg, tl.sum(tl.where(mask, z - m_s_sub, 0.0), 0))
             if PHASE == 0:
-                # Release: every thread's partial stores are ordered before the count (the
-                # barrier makes them visible to the thread issuing the atomic). Acquire (Triton
-                # turns the add of 0 into ld.acquire), then a barrier so that all threads'
-                # partial loads come after it; they bypass L1 (.cg), which may hold a stale
-                # line of this row's partials.
-                tl.debug_barrier()
-                tl.atomic_add(sync_ptr + 1 + row, 1, sem="release")
-                seen = tl.atomic_add(sync_ptr + 1 + row, 0, sem="acquire")
+                # Acquire (Triton turns the add of 0 into ld.acquire), then a barrier so that all
+                # threads' partial loads come after it; they bypass L1 (.cg), which may hold a
+                # stale line of this row's partials.
+                seen = tl.atomic_add(count_ptr, 0, sem="acquire")
                 while seen < n_segs:
-                    seen = tl.atomic_add(sync_ptr + 1 + row, 0, sem="acquire")
+                    seen = tl.atomic_add(count_ptr, 0, sem="acquire")
                 tl.debug_barrier()
             if PHASE != 1:
                 segs = tl.arange(0, S_POW2)
@@ -415,7 +449,6 @@ def _ce_split_kernel(
                 d_i = tl.load(p_row + S_POW2 + segs, mask=live, other=0.0, cache_modifier=".cg")
                 m = tl.max(m_i, 0)
                 m_sub = tl.where(m == float("-inf"), 0.0, m)
-                msub_i = tl.where(m_i == float("-inf"), 0.0, m_i)
                 # exp(m_i - m_sub), not exp(msub_i - m_sub): a segment of -inf (or a dead lane)
                 # then weighs 0, where exp(0 - m_sub) overflows for a very negative row max.
                 d = tl.sum(d_i * exp_fast(m_i - m_sub, FAST), 0)
@@ -437,11 +470,12 @@ def _ce_split_kernel(
                     if HAS_SOFTCAP:
                         g = g * (1.0 - th * th)
                     tl.store(grad_ptr + row64 * stride_g + cols, g.to(grad_ptr.dtype.element_ty), mask=mask, cache_modifier=".cs")
-                if owner:
-                    # The row's loss, log d + (1-eps) (m - z_y) - eps/V sum_j (z_j - m)
-                    # (+ z_loss lse^2), and the target column's gradient.
+                if (y >= c0) & (y < c0 + SEG):
+                    # This segment holds the target: the row's loss, log d + (1-eps) (m - z_y)
+                    # - eps/V sum_j (z_j - m) (+ z_loss lse^2), and the target column's gradient.
                     z_y, t_y = _ce_prep(z_y_raw, None, softcap, False, HAS_SOFTCAP)
                     if HAS_SMOOTHING:
+                        msub_i = tl.where(m_i == float("-inf"), 0.0, m_i)
                         s_i = tl.load(p_row + 2 * S_POW2 + segs, mask=live, other=0.0, cache_modifier=".cg")
                         n_i = tl.minimum(n_cols - segs * SEG, SEG).to(tl.float32)
                         s = tl.sum(tl.where(live, s_i + n_i * (msub_i - m), 0.0), 0)
@@ -460,6 +494,7 @@ def _ce_split_kernel(
         y = y_nxt
         raw = raw_nxt
         z_y_raw = z_y_nxt
+        pub = pub_nxt
 
 
 @triton.jit

@@ -212,6 +212,8 @@ def sweep_ce_configs(n: int = _N, v: int = _V, dtype: torch.dtype = torch.bfloat
             continue
         rows.append({"config": cfg, "us": us, "spread": spread, "tbps": nbytes / (us * 1e-6) / 1e12,
                      "default": cfg == default})
+        print(f"  measured seg={cfg.seg} block={cfg.block} warps={cfg.num_warps} programs={cfg.n_programs}: {us:.1f} us",
+              flush=True)  # as it lands: a run cut by its time limit keeps what it measured
     rows.sort(key=lambda r: (r["us"] != r["us"], r["us"]))
     print(f"CE {n} x {v} {dtype} softcap={softcap}: graph time per call (2 back to back), median of 3 (spread)")
     for r in rows:
