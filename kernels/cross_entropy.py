@@ -294,210 +294,6 @@ def _ce_fwd_kernel(
 
 
 @triton.jit
-def _ce_split_fetch(t, total, n_segs, logits_ptr, stride_l, target_ptr, n_cols, ignore_index, SEG: tl.constexpr):
-    # Work item t's loads: its row's target, its segment (none for an ignored row) and the target
-    # logit (the segment's own first column when the target lies elsewhere). Past the last item
-    # (t >= total) the last item is reloaded, unused. Issued one item ahead (see the kernel).
-    tc = tl.minimum(t, total - 1)
-    row = tc // n_segs
-    c0 = (tc - row * n_segs) * SEG
-    cols = c0 + tl.arange(0, SEG)
-    x_row = logits_ptr + (tl.zeros([], tl.int64) + row) * stride_l
-    y = tl.load(target_ptr + row).to(tl.int32)
-    live = (cols < n_cols) & ((cols * 0 + y) != ignore_index)  # broadcast first: the interpreter wants a bool tensor
-    raw = tl.load(x_row + cols, mask=live, other=0.0, eviction_policy="evict_first")
-    z_y_raw = tl.load(x_row + tl.where((y >= c0) & (y < c0 + SEG), y, c0))
-    return y, raw, z_y_raw
-
-
-@triton.jit
-def _ce_split_stats(raw, mask, softcap, HAS_SOFTCAP: tl.constexpr, FAST: tl.constexpr):
-    # A segment's values after the softcap (masked lanes -inf), tanh for the softcap's gradient,
-    # its max m_s, and e = exp(z - m_s): all the gradient needs of z later, since
-    # exp(z - m) = e * exp(m_s - m). Keeping e instead of z saves the second exp per column.
-    z, th = _ce_prep(raw, mask, softcap, True, HAS_SOFTCAP)
-    m_s = tl.max(z, 0)
-    m_s_sub = tl.where(m_s == float("-inf"), 0.0, m_s)
-    e = exp_fast(z - m_s_sub, FAST)
-    return z, th, m_s, m_s_sub, e
-
-
-@triton.jit
-def _ce_split_publish(z, mask, m_s, m_s_sub, e, p_row, seg, count_ptr, S_POW2: tl.constexpr,
-                      HAS_SMOOTHING: tl.constexpr, RELEASE: tl.constexpr):
-    # Store the segment's partials (max, sum exp(z - m_s), sum (z - m_s)) and, RELEASE (the
-    # cooperative launch), count the segment as published. The barrier makes every thread's
-    # partial stores visible to the thread issuing the release atomic.
-    tl.store(p_row + seg, m_s)
-    tl.store(p_row + S_POW2 + seg, tl.sum(e, 0))
-    if HAS_SMOOTHING:
-        tl.store(p_row + 2 * S_POW2 + seg, tl.sum(tl.where(mask, z - m_s_sub, 0.0), 0))
-    if RELEASE:
-        tl.debug_barrier()
-        tl.atomic_add(count_ptr, 1, sem="release")
-
-
-@triton.jit
-def _ce_split_kernel(
-    logits_ptr,
-    stride_l,
-    target_ptr,
-    grad_ptr,  # may be logits_ptr (in place): a program reads its own segment before writing it
-    stride_g,
-    loss_ptr,
-    scale_ptr,
-    scale_stride,
-    part_ptr,  # fp32 [n_rows, 3, S_POW2]: per segment max m, sum exp(z - m), sum (z - m)
-    sync_ptr,  # int32 [1 + n_rows], zeroed: [0] the work ticket, [1 + r] row r's segments published
-    n_rows,
-    n_cols,
-    n_segs,
-    ignore_index,
-    label_smoothing,
-    z_loss,
-    softcap,
-    PHASE: tl.constexpr,  # 0: one cooperative launch (GPU); 1 then 2: two launches (interpreter)
-    HAS_SMOOTHING: tl.constexpr,
-    HAS_Z_LOSS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    COMPUTE_GRAD: tl.constexpr,
-    SEG: tl.constexpr,  # columns per segment, held in registers from load to gradient
-    S_POW2: tl.constexpr,  # next power of two >= n_segs
-    FAST: tl.constexpr,
-):
-    # Each row is cut into n_segs segments of SEG columns; a work item is one segment. The
-    # program loads its segment into registers once, publishes the segment's partials and, in
-    # PHASE 0, waits until every segment of the row has published, combines the n_segs partials
-    # into the row's logsumexp and writes the gradient from the registers. Each logit is read
-    # from DRAM once, and nothing depends on a row staying in L2 (the looped kernel's limit).
-    # The interpreter runs programs one after another, so there PHASE 1 (all partials) and
-    # PHASE 2 (reload, combine, gradient) are two launches over the same helpers.
-    #
-    # Work items come from an atomic ticket in row-major order, so they only go to programs that
-    # are running. Each item is a chain of dependent round trips (ticket -> target -> segment ->
-    # publish -> poll -> partials -> store; ~4.5 us, measured 1.56 ms at best for 8192 x 128256
-    # with them exposed, H200 2026-11-30), so a program takes its next ticket and issues that
-    # item's loads right after publishing the current one, before the wait.
-    # No deadlock: a program only waits after publishing its current item, and the one item it
-    # holds unpublished (the next) has a later ticket. Of the oldest row still incomplete, every
-    # missing item is either untaken (the next tickets, taken by any program that is not
-    # waiting) or held as "next" by a program whose current item is older: in a complete row
-    # (it will finish) or in the same row. That last case (a program's next item in the row it
-    # waits on, e.g. near the end or with few programs) is the one that would wait on itself,
-    # so the program publishes that next item's partials before it waits (`pub`).
-    cols_l = tl.arange(0, SEG)
-    total = n_rows * n_segs
-    if PHASE == 0:
-        t = tl.atomic_add(sync_ptr, 1)
-    else:
-        t = tl.program_id(0)
-    y, raw, z_y_raw = _ce_split_fetch(t, total, n_segs, logits_ptr, stride_l, target_ptr, n_cols, ignore_index, SEG)
-    pub = t < 0  # False: whether the current item's partials were already published
-    while t < total:
-        row = t // n_segs
-        seg = t - row * n_segs
-        row64 = tl.zeros([], tl.int64) + row
-        c0 = seg * SEG
-        cols = c0 + cols_l
-        mask = cols < n_cols
-        p_row = part_ptr + row64 * (3 * S_POW2)
-        count_ptr = sync_ptr + 1 + row
-        valid = y != ignore_index
-        if valid:
-            z, th, m_s, m_s_sub, e = _ce_split_stats(raw, mask, softcap, HAS_SOFTCAP, FAST)
-            if PHASE != 2:
-                if not pub:
-                    _ce_split_publish(z, mask, m_s, m_s_sub, e, p_row, seg, count_ptr, S_POW2, HAS_SMOOTHING, PHASE == 0)
-        else:
-            z = tl.zeros([SEG], tl.float32)
-            th = z
-            e = z
-            m_s = 0.0
-        if PHASE == 0:
-            t_nxt = tl.atomic_add(sync_ptr, 1)
-        else:
-            t_nxt = total
-        y_nxt, raw_nxt, z_y_nxt = _ce_split_fetch(t_nxt, total, n_segs, logits_ptr, stride_l, target_ptr, n_cols,
-                                                  ignore_index, SEG)
-        pub_nxt = t_nxt < 0
-        if PHASE == 0:
-            if valid & (t_nxt < total) & (t_nxt // n_segs == row):
-                seg_n = t_nxt - row * n_segs
-                mask_n = seg_n * SEG + cols_l < n_cols
-                z_n, th_n, m_n, m_n_sub, e_n = _ce_split_stats(raw_nxt, mask_n, softcap, HAS_SOFTCAP, FAST)
-                _ce_split_publish(z_n, mask_n, m_n, m_n_sub, e_n, p_row, seg_n, count_ptr, S_POW2, HAS_SMOOTHING, True)
-                pub_nxt = t_nxt >= 0
-        if not valid:
-            if PHASE != 1:
-                if COMPUTE_GRAD:
-                    tl.store(grad_ptr + row64 * stride_g + cols, tl.zeros([SEG], tl.float32).to(grad_ptr.dtype.element_ty), mask=mask)
-                if seg == 0:
-                    tl.store(loss_ptr + row, 0.0)
-        else:
-            if PHASE == 0:
-                # Acquire (Triton turns the add of 0 into ld.acquire), then a barrier so that all
-                # threads' partial loads come after it; they bypass L1 (.cg), which may hold a
-                # stale line of this row's partials.
-                seen = tl.atomic_add(count_ptr, 0, sem="acquire")
-                while seen < n_segs:
-                    seen = tl.atomic_add(count_ptr, 0, sem="acquire")
-                tl.debug_barrier()
-            if PHASE != 1:
-                segs = tl.arange(0, S_POW2)
-                live = segs < n_segs
-                m_i = tl.load(p_row + segs, mask=live, other=float("-inf"), cache_modifier=".cg")
-                d_i = tl.load(p_row + S_POW2 + segs, mask=live, other=0.0, cache_modifier=".cg")
-                m = tl.max(m_i, 0)
-                m_sub = tl.where(m == float("-inf"), 0.0, m)
-                # exp(m_i - m_sub), not exp(msub_i - m_sub): a segment of -inf (or a dead lane)
-                # then weighs 0, where exp(0 - m_sub) overflows for a very negative row max.
-                d = tl.sum(d_i * exp_fast(m_i - m_sub, FAST), 0)
-                log_d = tl.log(d)
-                lse = m + log_d
-                scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
-                p_coef = scale / d
-                if HAS_Z_LOSS:
-                    p_coef = p_coef * (1.0 + 2.0 * z_loss * lse)
-                smooth_g = 0.0
-                if HAS_SMOOTHING:
-                    smooth_g = scale * (label_smoothing / n_cols)
-                target_g = scale * (1.0 - label_smoothing)
-                if COMPUTE_GRAD:
-                    # _ce_grad_block's exp(z - m) * p_coef, from e; the target column after.
-                    g = e * (exp_fast(m_s - m_sub, FAST) * p_coef)
-                    if HAS_SMOOTHING:
-                        g = g - smooth_g
-                    if HAS_SOFTCAP:
-                        g = g * (1.0 - th * th)
-                    tl.store(grad_ptr + row64 * stride_g + cols, g.to(grad_ptr.dtype.element_ty), mask=mask, cache_modifier=".cs")
-                if (y >= c0) & (y < c0 + SEG):
-                    # This segment holds the target: the row's loss, log d + (1-eps) (m - z_y)
-                    # - eps/V sum_j (z_j - m) (+ z_loss lse^2), and the target column's gradient.
-                    z_y, t_y = _ce_prep(z_y_raw, None, softcap, False, HAS_SOFTCAP)
-                    if HAS_SMOOTHING:
-                        msub_i = tl.where(m_i == float("-inf"), 0.0, m_i)
-                        s_i = tl.load(p_row + 2 * S_POW2 + segs, mask=live, other=0.0, cache_modifier=".cg")
-                        n_i = tl.minimum(n_cols - segs * SEG, SEG).to(tl.float32)
-                        s = tl.sum(tl.where(live, s_i + n_i * (msub_i - m), 0.0), 0)
-                        loss = log_d + (1.0 - label_smoothing) * (m - z_y) - (label_smoothing / n_cols) * s
-                    else:
-                        loss = log_d + (m - z_y)
-                    if HAS_Z_LOSS:
-                        loss += z_loss * lse * lse
-                    tl.store(loss_ptr + row, loss)
-                    if COMPUTE_GRAD:
-                        # after the block store of the same address by another thread
-                        tl.debug_barrier()
-                        g_y = _ce_grad_block(z_y, t_y, True, m, p_coef, smooth_g, target_g, HAS_SMOOTHING, HAS_SOFTCAP, True, FAST)
-                        tl.store(grad_ptr + row64 * stride_g + y, g_y.to(grad_ptr.dtype.element_ty))
-        t = t_nxt
-        y = y_nxt
-        raw = raw_nxt
-        z_y_raw = z_y_nxt
-        pub = pub_nxt
-
-
-@triton.jit
 def _scale_kernel(
     grad_ptr,  # contiguous
     scale_ptr,  # fp32: one value (SCALAR) or one per row of a [n_rows, n_cols] grad
@@ -556,20 +352,10 @@ class CEConfig:
     num_warps: int
     n_programs: int  # persistent grid size
     single_block: bool  # whole row in one block (loaded once)
-    # > 0: the row is split into segments of this many columns, one work item each, every logit
-    # read once (`_ce_split_kernel`); 0: the looped kernel's two passes over the row.
-    seg: int = 0
 
     # Rows up to this many columns are loaded once and held in registers: 16384 over 16 warps
     # is 32 values a thread (127 registers, no spills), one program per SM.
     single_block_max = 16384
-    # The split kernel (`_ce_split_kernel`) for longer rows on the GPU: segment columns, warps,
-    # programs per SM (a cap: residency is set by registers), and the most segments a row (the
-    # combine holds all of a row's partials in one block). TENTATIVE, to be measured.
-    split_seg = 4096
-    split_warps = 8
-    split_per_sm = 16
-    split_max_segs = 256
 
     @classmethod
     def for_problem(cls, n_rows: int, n_cols: int, dtype: torch.dtype, device: torch.device) -> "CEConfig":
@@ -604,10 +390,18 @@ class CEConfig:
         # (tl.range num_stages 2-4: cp.async into shared memory, 48-56 registers) in place of
         # the registers-only prefetch: 1.47 ms at best (4 stages, 96 KB of shared memory; 2
         # stages 1.91 ms) against 1.263 ms; each pipelined iteration adds a block-wide barrier.
-        n_segs = triton.cdiv(n_cols, cls.split_seg)
-        if n_segs <= cls.split_max_segs:
-            return cls(cls.split_seg, cls.split_warps, max(n_segs, min(n_rows * n_segs, cls.split_per_sm * n_sm)), False,
-                       cls.split_seg)
+        # Tried 2026-11-30 (session 7) and dropped: a split kernel reading every logit once. Each
+        # row was cut into segments of 2048-16384 columns, one work item each (atomic ticket),
+        # held in registers from load to gradient; a program published its segment's (max,
+        # sum exp, sum), polled a per-row count until all segments had published, combined the
+        # partials and wrote the gradient. Correct (CPU two-launch form and H200 tests), but
+        # 1.56 ms at best over 24 configs against this kernel's 1.26 ms in the same run
+        # (`sweep-ce-split-h200-20261130T0505.txt`; Gemma 4096 x 256000 softcap: 3.56 vs 2.48
+        # ms): each item is a chain of dependent round trips (ticket, target, segment, publish,
+        # poll, partials, store: ~4.7 us an item from 1.57 us per item per SM at ~3 programs
+        # an SM). Issuing the next item's ticket and loads before the wait raised registers to
+        # 98-148 and made it slower still, 2.09 ms (`...-0517.txt`); its first form hung (a
+        # program could wait on a row whose next segment it held itself, unpublished).
         return cls(16384, 32, max(1, min(n_rows, n_sm)), False)
 
 
@@ -670,10 +464,6 @@ def _ce_fwd_launch(
     cfg = config or CEConfig.for_problem(n_rows, n_cols, logits.dtype, logits.device)
     compute_grad = grad is not None
     g = grad if compute_grad else logits  # unused pointer when not computing the grad
-    if cfg.seg:
-        _ce_split_launch(logits, target, g, loss_rows, grad_scale, ignore_index, label_smoothing, z_loss, softcap,
-                         cfg, compute_grad)
-        return
     _ce_fwd_kernel[(cfg.n_programs,)](
         logits,
         logits.stride(0),
@@ -699,29 +489,6 @@ def _ce_fwd_launch(
         FAST=fast_math(logits),
         num_warps=cfg.num_warps,
     )
-
-
-def _ce_split_launch(logits, target, g, loss_rows, grad_scale, ignore_index, label_smoothing, z_loss, softcap,
-                     cfg: "CEConfig", compute_grad: bool) -> None:
-    n_rows, n_cols = logits.shape
-    n_segs = triton.cdiv(n_cols, cfg.seg)
-    s_pow2 = triton.next_power_of_2(n_segs)
-    dev = logits.device
-    part = torch.empty((n_rows, 3, s_pow2), dtype=torch.float32, device=dev)
-    cooperative = dev.type == "cuda"
-    if cooperative and cfg.n_programs < n_segs:
-        raise KprofError(f"internal: CEConfig runs {cfg.n_programs} programs for {n_segs} segments a row; need >= n_segs")
-    # Zeroed every launch: the ticket and the per-row counts (n_rows + 1 int32, one memset).
-    sync = torch.zeros(1 + n_rows if cooperative else 1, dtype=torch.int32, device=dev)
-    args = (logits, logits.stride(0), target, g, g.stride(0), loss_rows, grad_scale, 0 if grad_scale.numel() == 1 else 1,
-            part, sync, n_rows, n_cols, n_segs, ignore_index, float(label_smoothing), float(z_loss), float(softcap))
-    kw = dict(HAS_SMOOTHING=label_smoothing > 0.0, HAS_Z_LOSS=z_loss != 0.0, HAS_SOFTCAP=softcap > 0.0,
-              COMPUTE_GRAD=compute_grad, SEG=cfg.seg, S_POW2=s_pow2, FAST=fast_math(logits), num_warps=cfg.num_warps)
-    if cooperative:
-        _ce_split_kernel[(cfg.n_programs,)](*args, PHASE=0, **kw)
-    else:
-        for phase in (1, 2):
-            _ce_split_kernel[(n_rows * n_segs,)](*args, PHASE=phase, **kw)
 
 
 def _scale_launch(grad: torch.Tensor, scale: torch.Tensor) -> None:

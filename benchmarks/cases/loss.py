@@ -32,7 +32,6 @@ import importlib
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from benchmarks.cases import Case
 
@@ -163,16 +162,16 @@ CASES: list[Case] = [
 
 
 def sweep_ce_configs(n: int = _N, v: int = _V, dtype: torch.dtype = torch.bfloat16, softcap: float = 0.0,
-                     segs=(2048, 4096, 8192, 16384), warps=(4, 8, 16, 32), per_sms=(4, 16)) -> list[dict]:
+                     block_bytes=(16384, 32768, 65536), warps=(8, 16, 32), per_sms=(1, 2)) -> list[dict]:
     """Time kprof's fused CE forward (which writes the gradient) over launch configs at one shape,
-    after checking each config against the looped kernel's validated config (`LOOPED`).
-    `python -m benchmarks.cases.loss ce [ce_gemma]`.
+    after checking each config against the default one. `python -m benchmarks.cases.loss ce [ce_gemma]`.
 
     The forward alone is the CE case's fwd+bwd with grad_output == 1 (the backward is skipped).
     Timing: two launches back to back in a CUDA graph on two input sets, replay time / 2, median
     of three do_bench medians (bench_kernels.graph_time_us, the kernels table's basis).
-    Configs: the split kernel (`_ce_split_kernel`) over segment size x warps (8-64 columns a
-    thread) x programs per SM, and the looped kernel's config. Returns rows sorted by time.
+    Returns rows sorted by time; the first is what `CEConfig.for_problem` should pick.
+    2026-11-29, the first kernel: 64 configs (8-64 KB blocks, 4-32 warps, 1-4 programs per SM);
+    4-warp and 8 KB configs were never within 15% of the best, so the grid is the middle.
     """
     from benchmarks.bench_kernels import graph_time_us
     from kprof.kernels._common import assert_close
@@ -184,20 +183,18 @@ def sweep_ce_configs(n: int = _N, v: int = _V, dtype: torch.dtype = torch.bfloat
         logits = (torch.randn(n, v, device=dev) * 2).to(dtype)
         target = _targets(n, v, "cuda")
         sets.append((logits, target, 1.0 / (target != -100).sum().float(), torch.empty(n, device=dev), torch.empty_like(logits)))
-    looped = _ce.CEConfig(16384, 32, n_sm, False)
     logits, target, scale, _, _ = sets[0]
     loss_ref, grad_ref = torch.empty(n, device=dev), torch.empty_like(logits)
-    _ce._ce_fwd_launch(logits, target, grad_ref, loss_ref, scale, -100, 0.0, 0.0, softcap, config=looped)
     default = _ce.CEConfig.for_problem(n, v, dtype, dev)
-    configs = {default, looped}
-    for seg in segs:
+    _ce._ce_fwd_launch(logits, target, grad_ref, loss_ref, scale, -100, 0.0, 0.0, softcap, config=default)
+    configs = {default}
+    for nbytes_block in block_bytes:
         for w in warps:
-            if 8 <= seg // (32 * w) <= 64:
-                for per_sm in per_sms:
-                    configs.add(_ce.CEConfig(seg, w, max(per_sm * n_sm, triton.cdiv(v, seg)), False, seg))
+            for per_sm in per_sms:
+                configs.add(_ce.CEConfig(nbytes_block // logits.element_size(), w, per_sm * n_sm, False))
     nbytes = _ce._ce_cost(n, v, dtype)["fwd"].bytes
     rows = []
-    for cfg in sorted(configs, key=lambda c: (c.seg, c.block, c.num_warps, c.n_programs)):
+    for cfg in sorted(configs, key=lambda c: (c.block, c.num_warps, c.n_programs)):
         def step(i, cfg=cfg):
             lg, tg, sc, ls, gr = sets[i]
             _ce._ce_fwd_launch(lg, tg, gr, ls, sc, -100, 0.0, 0.0, softcap, config=cfg)
@@ -212,14 +209,13 @@ def sweep_ce_configs(n: int = _N, v: int = _V, dtype: torch.dtype = torch.bfloat
             continue
         rows.append({"config": cfg, "us": us, "spread": spread, "tbps": nbytes / (us * 1e-6) / 1e12,
                      "default": cfg == default})
-        print(f"  measured seg={cfg.seg} block={cfg.block} warps={cfg.num_warps} programs={cfg.n_programs}: {us:.1f} us",
+        print(f"  measured block={cfg.block} warps={cfg.num_warps} programs={cfg.n_programs}: {us:.1f} us",
               flush=True)  # as it lands: a run cut by its time limit keeps what it measured
     rows.sort(key=lambda r: (r["us"] != r["us"], r["us"]))
     print(f"CE {n} x {v} {dtype} softcap={softcap}: graph time per call (2 back to back), median of 3 (spread)")
     for r in rows:
         c = r["config"]
-        kind = f"split seg={c.seg:6d}" if c.seg else f"looped block={c.block:5d}"
-        print(f"{kind} warps={c.num_warps:2d} programs={c.n_programs:5d} {r['us']:8.1f} us "
+        print(f"block={c.block:5d} warps={c.num_warps:2d} programs={c.n_programs:5d} {r['us']:8.1f} us "
               f"({r.get('spread', float('nan')):.1f}) {r.get('tbps', float('nan')):.2f} TB/s "
               f"{'(default)' if r.get('default') else ''}{r.get('note', '')}", flush=True)
     return rows
@@ -369,7 +365,7 @@ if __name__ == "__main__":
     if "ce" in what:
         sweep_ce_configs()
     if "ce_gemma" in what:
-        sweep_ce_configs(_GN, _GV, softcap=_CAP, segs=(4096, 8192, 16384), warps=(8, 16), per_sms=(16,))
+        sweep_ce_configs(_GN, _GV, softcap=_CAP)
     if "lce_parts" in what:
         sweep_lce_parts()
     if "lce" in what:
