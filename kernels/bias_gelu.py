@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from kprof.errors import KprofError
-from kprof.kernels._common import use_triton, via_custom_op, warn_fallback
+from kprof.kernels._common import FP_FUSION, use_triton, via_custom_op, warn_fallback
 from kprof.kernels._math import fast_math
 from kprof.kernels.glu import (
     _GELU_ACT,
@@ -263,6 +263,7 @@ def _fwd(x: torch.Tensor, bias: torch.Tensor, act: int) -> torch.Tensor:
             x2, b, y, n_rows, n, sx, n,
             ACT=act, BLOCK_M=bm, BLOCK_N=bn, EVEN=n_rows % bm == 0 and n % bn == 0, FAST=fast_math(x), num_warps=warps,
             maxnreg=FWD_MAXNREG if x.element_size() == 2 else None,
+            **FP_FUSION,
         )  # fmt: skip
     return y
 
@@ -286,6 +287,7 @@ def _bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, act: int) -> tup
             dy2, x2, b, dx, partial, n_rows, n, sdy, sx, n,
             ACT=act, BLOCK_M=bm, BLOCK_N=bn, EVEN=n_rows % bm == 0 and n % bn == 0, FAST=fast_math(x),
             ACC_F64=x.dtype == torch.float32 or HALF_DBIAS_ACC_FP64, num_warps=warps, maxnreg=BWD_MAXNREG,
+            **FP_FUSION,
         )  # fmt: skip
     # Second level: a fixed-order fp64 sum over n_groups partial rows (deterministic), then one
     # rounding to bias's dtype. Partial traffic at 16384x16384 bf16: 66 groups x 16384 x 8 bytes =

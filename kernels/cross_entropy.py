@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from kprof.errors import KprofError
-from kprof.kernels._common import use_triton, warn_fallback
+from kprof.kernels._common import FP_FUSION, use_triton, warn_fallback
 from kprof.kernels._math import exp_fast, fast_math
 from kprof.kernels.registry import Cost, KernelSpec, register
 
@@ -488,6 +488,7 @@ def _ce_fwd_launch(
         VEC=min(cfg.block, 16 // logits.element_size()),
         FAST=fast_math(logits),
         num_warps=cfg.num_warps,
+        **FP_FUSION,
     )
 
 
@@ -507,7 +508,7 @@ def _scale_launch(grad: torch.Tensor, scale: torch.Tensor) -> None:
     # GPU: persistent grid (4 programs per SM of 8 warps); interpreter: one program looping (its
     # cost is per program launched, and a skipped launch then costs one program).
     n_prog = min(n_tiles, 4 * _sm_count_and_l2(grad.device)[0]) if grad.is_cuda else 1
-    _scale_kernel[(max(1, n_prog),)](grad, scale, n_rows, n_cols, SCALAR=scalar, BLOCK=block, num_warps=8 if grad.is_cuda else 4)
+    _scale_kernel[(max(1, n_prog),)](grad, scale, n_rows, n_cols, SCALAR=scalar, BLOCK=block, num_warps=8 if grad.is_cuda else 4, **FP_FUSION)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from kprof.errors import KprofError
-from kprof.kernels._common import use_triton, via_custom_op, warn_fallback
+from kprof.kernels._common import FP_FUSION, use_triton, via_custom_op, warn_fallback
 from kprof.kernels._math import LOG2E, exp2_fast, fast_math, rcp_fast, to_f32_fast
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 
@@ -408,6 +408,7 @@ def _launch_fwd(g, u, y, n_rows: int, n_cols: int, sg: int, su: int, sy: int, ac
             g, u, y, n_rows, n_cols, sg, su, sy,
             ACT=act, BLOCK_M=bm, BLOCK_N=bn, FAST=fast_math(y), EVEN=n_rows % bm == 0 and n_cols % bn == 0,
             num_warps=warps,
+            **FP_FUSION,
         )  # fmt: skip
 
 
@@ -418,6 +419,7 @@ def _launch_bwd(dy, g, u, dg, du, n_rows: int, n_cols: int, strides: tuple, act:
             dy, g, u, dg, du, n_rows, n_cols, *strides,
             ACT=act, BLOCK_M=bm, BLOCK_N=bn, FAST=fast_math(dy), EVEN=n_rows % bm == 0 and n_cols % bn == 0,
             num_warps=warps,
+            **FP_FUSION,
         )  # fmt: skip
 
 

@@ -49,7 +49,7 @@ import triton.language as tl
 from torch import nn
 
 from kprof.errors import KprofError
-from kprof.kernels._common import interpreter_enabled, use_triton, via_custom_op, warn_fallback
+from kprof.kernels._common import FP_FUSION, interpreter_enabled, use_triton, via_custom_op, warn_fallback
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 from kprof.kernels.rms_norm import (
     MAX_FUSED_N,
@@ -460,6 +460,7 @@ def _launch_fwd(x, weight, bias, eps):
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, LOOP=cfg.loop,
         EMULATE_RTNE=interpreter_enabled(), TREE_EMU=interpreter_enabled(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        **FP_FUSION,
     )
     return y, stats
 
@@ -494,6 +495,7 @@ def _launch_bwd(dy, x, weight, stats, dw_dtype, db_dtype):
         TREE_EMU=interpreter_enabled(), PREFETCH=BWD_PREFETCH,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         maxnreg=BWD_MAXNREG if x.element_size() == 2 else None,
+        **FP_FUSION,
     )
     # Second stage of the dw/db reductions (one launch for both): fixed order over the
     # n_programs partial rows, deterministic; written in the parameters' dtypes.

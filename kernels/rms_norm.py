@@ -52,7 +52,7 @@ import triton.language as tl
 from torch import nn
 
 from kprof.errors import KprofError
-from kprof.kernels._common import interpreter_enabled, use_triton, via_custom_op, warn_fallback
+from kprof.kernels._common import FP_FUSION, interpreter_enabled, use_triton, via_custom_op, warn_fallback
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -385,6 +385,7 @@ def sum_partials(*parts: tuple[torch.Tensor, torch.dtype]) -> list[torch.Tensor]
         p1, outs[0], p2, outs[-1], n_parts, n_cols,
         HAS_SECOND=len(parts) == 2, EMULATE_RTNE=interpreter_enabled(),
         BLOCK_P=block_p, BLOCK_N=block_n, num_warps=PARTIALS_NUM_WARPS,
+        **FP_FUSION,
     )
     return outs
 
@@ -512,6 +513,7 @@ def _launch_fwd(x, residual, weight, eps, offset, casting):
         HAS_RESIDUAL=residual is not None, GEMMA=casting == "gemma", LOOP=cfg.loop,
         EMULATE_RTNE=interpreter_enabled(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        **FP_FUSION,
     )
     return y, s, rstd
 
@@ -538,6 +540,7 @@ def _launch_bwd(dy, x, weight, rstd, ds, offset):
         HAS_DS=ds is not None, LOOP=cfg.loop,
         EMULATE_RTNE=interpreter_enabled(), ACC_F64=dw_acc_f64(x.dtype),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        **FP_FUSION,
     )
     # Second stage of the dw reduction: n_programs x N summed in fp64 in a fixed order, so
     # deterministic; rounded once (via fp32) to the weight's dtype.

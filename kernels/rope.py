@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from kprof.errors import KprofError
-from kprof.kernels._common import use_triton, via_custom_op, warn_fallback
+from kprof.kernels._common import FP_FUSION, use_triton, via_custom_op, warn_fallback
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -255,6 +255,7 @@ def _rope_launch(
         c_sb, c_ss,
         BLOCK_HQ=cfg.block_hq, BLOCK_HK=cfg.block_hk, BLOCK_D=cfg.block_d, ONE_TILE=cfg.one_tile,
         BACKWARD=backward, num_warps=cfg.num_warps,
+        **FP_FUSION,
     )
 
 

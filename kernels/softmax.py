@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from kprof.errors import KprofError
-from kprof.kernels._common import use_triton, via_custom_op, warn_fallback
+from kprof.kernels._common import FP_FUSION, use_triton, via_custom_op, warn_fallback
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -336,12 +336,14 @@ def _softmax_fwd(
         _softmax_fwd_looped_kernel[(n_rows,)](
             x2, y, mask_t, n_rows, n_cols, x_rs, n_cols, scale, z1, z2, s0, s1, s2, sc, q_len,
             BLOCK_N=cfg.block_n, HAS_MASK=mask is not None, CAUSAL=causal, num_warps=cfg.num_warps,
+            **FP_FUSION,
         )
     else:
         _softmax_fwd_rows_kernel[(triton.cdiv(n_rows, cfg.rows),)](
             x2, y, mask_t, n_rows, n_cols, x_rs, n_cols, scale, z1, z2, s0, s1, s2, sc, q_len,
             ROWS=cfg.rows, BLOCK_N=cfg.block_n, HAS_MASK=mask is not None, CAUSAL=causal,
             IDX64=n_rows + cfg.rows >= 2**31, num_warps=cfg.num_warps,
+            **FP_FUSION,
         )
     return y
 
@@ -364,12 +366,14 @@ def _softmax_bwd(
         _softmax_bwd_looped_kernel[(n_rows,)](
             y2, dy2, dx, n_rows, n_cols, y_rs, dy_rs, n_cols, scale, q_len,
             BLOCK_N=cfg.block_n, CAUSAL=causal, num_warps=cfg.num_warps,
+            **FP_FUSION,
         )
     else:
         _softmax_bwd_rows_kernel[(triton.cdiv(n_rows, cfg.rows),)](
             y2, dy2, dx, n_rows, n_cols, y_rs, dy_rs, n_cols, scale, q_len,
             ROWS=cfg.rows, BLOCK_N=cfg.block_n, CAUSAL=causal, IDX64=n_rows + cfg.rows >= 2**31,
             num_warps=cfg.num_warps,
+            **FP_FUSION,
         )
     return dx
 
