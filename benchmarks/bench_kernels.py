@@ -98,6 +98,32 @@ def _run_fwd_bwd(fn, inputs, grads):
     torch.autograd.backward(outs, grads[: len(outs)])
 
 
+def capture_graph(steps, leaves, calls: int) -> torch.cuda.CUDAGraph:
+    """`calls` calls captured back to back in one CUDA graph, call i running steps[i % len(steps)],
+    after three warm-up rounds on a side stream (what capture needs: allocations and lazy inits
+    done). Each call first drops the grads of `leaves`, so a backward writes fresh grads and no
+    accumulation kernel lands in the graph."""
+    def clear():
+        for t in leaves:
+            t.grad = None
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            for step in steps:
+                clear()
+                step()
+    torch.cuda.current_stream().wait_stream(s)
+    clear()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            clear()
+            steps[i % len(steps)]()
+    return g
+
+
 def graph_time_us(steps, leaves, calls: int = 1) -> tuple[float, float]:
     """(median, spread of three medians) of the GPU time per call of `calls` calls captured back to back in one CUDA graph, call i
     running steps[i % len(steps)] (one step per input set): replay time / calls (METHOD.md).
@@ -119,20 +145,7 @@ def graph_time_us(steps, leaves, calls: int = 1) -> tuple[float, float]:
             step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            for step in steps:
-                clear()
-                step()
-    torch.cuda.current_stream().wait_stream(s)
-    clear()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            clear()  # each call's backward writes fresh grads: no accumulation kernel in the graph
-            steps[i % len(steps)]()
+    g = capture_graph(steps, leaves, calls)
     # Three do_bench medians of the same graph: their spread is the noise floor of a comparison
     # (METHOD.md: a difference smaller than the spread of two timings of one version is noise).
     ts = sorted(triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median") * 1e3 / calls

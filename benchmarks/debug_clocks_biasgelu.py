@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_kernels import capture_graph  # noqa: E402
 from benchmarks.clocks import sustained  # noqa: E402
 from kprof.kernels import bias_gelu as bg  # noqa: E402
 
@@ -26,13 +27,7 @@ def main() -> int:
     for approx in ("tanh", "none", "tanh"):
         with torch.no_grad():
             f = [lambda x=x, b=b: bg.bias_gelu(x, b, approximate=approx) for x, b in sets]
-            for s in f:
-                s()
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for i in range(8):
-                    f[i % 2]()
+            g = capture_graph(f, [], calls=8)
             print(f"{approx:4s} {sustained(g, 8)}", flush=True)
             del g
     return 0

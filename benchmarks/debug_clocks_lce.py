@@ -13,17 +13,14 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_kernels import capture_graph  # noqa: E402
+from benchmarks.cases.loss import _eager_lce  # noqa: E402
 from benchmarks.clocks import sustained  # noqa: E402
 
 _lce = importlib.import_module("kprof.kernels.fused_linear_cross_entropy")
-
-
-def _eager(hidden, weight, target):
-    return F.cross_entropy((hidden @ weight.t()).float(), target, ignore_index=-100)
 
 
 def main() -> int:
@@ -36,26 +33,14 @@ def main() -> int:
     variants = {
         "kprof chunk 512 grad_into_hidden": functools.partial(_lce.linear_cross_entropy, grad_into_hidden=True),
         "kprof chunk 2048": functools.partial(_lce.linear_cross_entropy, chunk_size=2048),
-        "torch.compile": torch.compile(_eager, dynamic=False),
+        "torch.compile": torch.compile(_eager_lce, dynamic=False),
     }
     for name, fn in variants.items():
-        def step(fn=fn):
+        def step(fn=fn, into=name.endswith("grad_into_hidden")):
             # grad_into_hidden overwrites a non-leaf copy of hidden, as the LM-head patch's input
-            x = hidden * 1.0 if "into" in name else hidden
-            fn(x, weight, target).backward()
-            hidden.grad = None
-            weight.grad = None
+            fn(hidden * 1.0 if into else hidden, weight, target).backward()
 
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            step()
-            step()
+        g = capture_graph([step], [hidden, weight], calls=2)
         print(f"{name:34s} {sustained(g, 2, seconds=4.0, unit='ms')}", flush=True)
         del g
     return 0
