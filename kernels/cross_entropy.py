@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from kprof.errors import KprofError
+from kprof.kernels import cross_entropy_sm90 as _sm90
 from kprof.kernels._common import FP_FUSION, use_triton, warn_fallback
 from kprof.kernels._math import exp_fast, fast_math
 from kprof.kernels.registry import Cost, KernelSpec, register
@@ -461,6 +462,10 @@ def _ce_fwd_launch(
     target = target.contiguous()  # the kernel reads target[row] at unit stride
     if check_targets:  # linear_cross_entropy checks all targets once, not per chunk
         _check_target_values(target, n_cols, ignore_index)
+    if config is None and _sm90.try_launch(
+        logits, target, grad, loss_rows, grad_scale, ignore_index, label_smoothing, z_loss, softcap
+    ):
+        return  # Hopper: the cluster kernel (one DRAM read per logit, cross_entropy_sm90.py)
     cfg = config or CEConfig.for_problem(n_rows, n_cols, logits.dtype, logits.device)
     compute_grad = grad is not None
     g = grad if compute_grad else logits  # unused pointer when not computing the grad

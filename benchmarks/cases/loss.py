@@ -26,6 +26,7 @@ Liger last. LigerFusedLinearCrossEntropyLoss takes (weight, hidden, target).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import importlib
@@ -221,6 +222,76 @@ def sweep_ce_configs(n: int = _N, v: int = _V, dtype: torch.dtype = torch.bfloat
     return rows
 
 
+def sweep_ce_cluster(n: int = _N, v: int = _V, dtype: torch.dtype = torch.bfloat16, softcap: float = 0.0) -> list[dict]:
+    """Time the sm_90 cluster CE kernel (kprof.kernels.cross_entropy_sm90) over launch shapes at
+    one shape, beside the Triton kernel's default config in the same run, after checking each
+    against the Triton kernel's output. `python -m benchmarks.cases.loss ce_cluster [ce_cluster_gemma]`.
+    Timing as `sweep_ce_configs` (graph time, two launches back to back on two input sets)."""
+    from benchmarks.bench_kernels import graph_time_us
+    from kprof.kernels import cross_entropy_sm90 as sm90
+    from kprof.kernels._common import assert_close
+
+    dev = torch.device("cuda")
+    sets = []
+    for _ in range(2):
+        logits = (torch.randn(n, v, device=dev) * 2).to(dtype)
+        target = _targets(n, v, "cuda")
+        sets.append((logits, target, 1.0 / (target != -100).sum().float(), torch.empty(n, device=dev), torch.empty_like(logits)))
+    logits, target, scale, _, _ = sets[0]
+    loss_ref, grad_ref = torch.empty(n, device=dev), torch.empty_like(logits)
+    triton_cfg = _ce.CEConfig.for_problem(n, v, dtype, dev)
+    _ce._ce_fwd_launch(logits, target, grad_ref, loss_ref, scale, -100, 0.0, 0.0, softcap, config=triton_cfg)
+    base = sm90.plan(n, v, logits.element_size(), (v, v), (logits.data_ptr(), 0), torch.cuda.get_device_capability(dev))
+    if isinstance(base, str):
+        print(f"CE cluster sweep {n} x {v} {dtype}: plan declines: {base}", flush=True)
+        return []
+    vec = 16 // logits.element_size()
+    configs = [base]
+    for cl, th, mb in ((8, 512, 1), (8, 512, 2), (8, 1024, 1), (4, 512, 1), (4, 1024, 1), (8, 256, 1)):
+        nv = -(-(-(-(v // vec) // cl)) // th)
+        if nv <= 8:
+            configs.append(sm90.ClusterConfig(cl, th, nv, mb))
+    configs += [dataclasses.replace(base, n_clusters=k) for k in (8, 12, 16, 24)]
+    nbytes = _ce._ce_cost(n, v, dtype)["fwd"].bytes
+    rows = []
+
+    def triton_step(i):
+        lg, tg, sc, ls, gr = sets[i]
+        _ce._ce_fwd_launch(lg, tg, gr, ls, sc, -100, 0.0, 0.0, softcap, config=triton_cfg)
+
+    us, spread = graph_time_us([functools.partial(triton_step, 0), functools.partial(triton_step, 1)], [], calls=2)
+    rows.append({"name": f"triton {triton_cfg}", "us": us, "spread": spread, "tbps": nbytes / (us * 1e-6) / 1e12})
+    print(f"  measured triton default: {us:.1f} us", flush=True)
+    for cfg in configs:
+        def step(i, cfg=cfg):
+            lg, tg, sc, ls, gr = sets[i]
+            assert sm90.try_launch(lg, tg, gr, ls, sc, -100, 0.0, 0.0, softcap, config=cfg)
+
+        name = f"cluster={cfg.cluster} threads={cfg.threads} nv={cfg.nv} min_blocks={cfg.min_blocks} n_clusters={cfg.n_clusters or 'max'}"
+        try:
+            sets[0][3].zero_()
+            sets[0][4].zero_()
+            step(0)
+            assert_close(sets[0][3], loss_ref, msg="loss")
+            assert_close(sets[0][4], grad_ref, msg="grad")
+            us, spread = graph_time_us([functools.partial(step, 0), functools.partial(step, 1)], [], calls=2)
+        except Exception as e:  # noqa: BLE001 - a config that fails to build, or is wrong, is a result
+            rows.append({"name": name, "us": float("nan"), "note": f"{type(e).__name__}: {e}"[:200]})
+            print(f"  {name}: {rows[-1]['note']}", flush=True)
+            continue
+        key = [k for k in sm90._loaded if k[1] == sm90._defines(cfg, dtype, False, False, softcap > 0, True)]
+        maxc = sm90._loaded[key[0]].max_clusters if key else "?"
+        rows.append({"name": name + f" (max resident clusters {maxc})", "us": us, "spread": spread,
+                     "tbps": nbytes / (us * 1e-6) / 1e12, "default": cfg == base})
+        print(f"  measured {rows[-1]['name']}: {us:.1f} us", flush=True)
+    rows.sort(key=lambda r: (r["us"] != r["us"], r["us"]))
+    print(f"CE cluster kernel {n} x {v} {dtype} softcap={softcap}: graph time per call (2 back to back), median of 3 (spread)")
+    for r in rows:
+        print(f"{r['us']:8.1f} us ({r.get('spread', float('nan')):.1f}) {r.get('tbps', float('nan')):.2f} TB/s  {r['name']}"
+              f"{' (default)' if r.get('default') else ''}{r.get('note', '')}", flush=True)
+    return rows
+
+
 def sweep_lce_chunks(chunks=(256, 384, 512, 768, 1024, 2048), accum_dtypes=(None, torch.float32)) -> list[dict]:
     """Time kprof's linear + CE forward+backward (grad_output = 1) and its peak extra memory over
     chunk sizes and grad_W accumulation dtypes at the issue's shape. `python -m benchmarks.cases.loss`.
@@ -366,6 +437,10 @@ if __name__ == "__main__":
         sweep_ce_configs()
     if "ce_gemma" in what:
         sweep_ce_configs(_GN, _GV, softcap=_CAP)
+    if "ce_cluster" in what:
+        sweep_ce_cluster()
+    if "ce_cluster_gemma" in what:
+        sweep_ce_cluster(_GN, _GV, softcap=_CAP)
     if "lce_parts" in what:
         sweep_lce_parts()
     if "lce" in what:

@@ -1,0 +1,468 @@
+// Fused cross-entropy (loss + gradient in one pass) for sm_90: one row per thread-block cluster,
+// every logit read from DRAM once.
+//
+// Why CUDA C++ and not Triton: a row of 128256 bf16 logits is 256 KB, more than one SM's
+// registers, so kprof's Triton kernel reads each row twice (pass 1 logsumexp, pass 2 gradient)
+// and counts on the second read hitting L2; on the H200 that kernel measures 1.26-1.29 ms against
+// a 0.98 ms floor (read 2.1 GB + write 2.1 GB at 4.27 TB/s). Splitting a row across Triton
+// programs that meet through global memory was measured slower (1.56 ms: a chain of dependent
+// round trips per segment, see CEConfig). Hopper's clusters give a cheaper meeting point: the
+// CTAs of a cluster hold one row between them in registers (CLUSTER x THREADS x NV x 16 bytes;
+// 8 x 256 x 8 x 16 B = 256 KB for bf16 V = 128256) and swap their partial (max, sum exp, sum,
+// target logit) through distributed shared memory, one st.async + mbarrier exchange per row.
+//
+// Per row, per CTA: thread max -> CTA max (one __syncthreads), thread sums relative to it ->
+// CTA partial (one __syncthreads), partial stored into every CTA's slot (st.shared::cluster),
+// wait on this CTA's mbarrier for the other partials, combine, gradient from the registers,
+// streaming stores. The next row of the
+// cluster is loaded into a second register set at the top of the row, so its DRAM reads are in
+// flight during this row's reductions and barrier.
+//
+// Math and semantics follow kprof.kernels.cross_entropy's Triton kernel line by line (softcap,
+// label smoothing relative to the max, z-loss, grad scale, ignore_index rows -> zero gradient).
+//
+// Compile-time parameters, prepended as #defines by cross_entropy_sm90.py:
+//   DT           0 fp32, 1 fp16, 2 bf16 (logits and gradient)
+//   CLUSTER      CTAs per cluster (a row is split CLUSTER ways)
+//   THREADS      threads per CTA
+//   NV           16-byte vectors per thread per row (registers: 4 * NV per row buffer, two buffers)
+//   MIN_BLOCKS   __launch_bounds__ minimum CTAs per SM
+//   HAS_SMOOTHING, HAS_Z_LOSS, HAS_SOFTCAP, COMPUTE_GRAD   0 or 1
+// No headers: NVRTC compiles it as is (conversions and memory ops are inline PTX).
+
+#if DT == 0
+#define VEC 4
+#define ES 4
+#else
+#define VEC 8
+#define ES 2
+#endif
+#define NWARPS (THREADS / 32)
+#define LOG2E 1.4426950408889634f
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+struct V4 {
+  u32 x, y, z, w;
+};
+
+__device__ __forceinline__ float ex2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Streaming (evict-first) 16-byte load and store. volatile keeps the loads where they are
+// written: the next row's loads must issue at the top of the row, not sink to their first use.
+__device__ __forceinline__ V4 ld_cs(const char* p) {
+  V4 v;
+  asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void st_cs(char* p, V4 v) {
+  asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+// 16 bytes of the input dtype -> VEC fp32 values. bf16 -> fp32 is the bits moved to the top half.
+__device__ __forceinline__ void unpack(const V4& w, float* f) {
+#if DT == 0
+  f[0] = __uint_as_float(w.x);
+  f[1] = __uint_as_float(w.y);
+  f[2] = __uint_as_float(w.z);
+  f[3] = __uint_as_float(w.w);
+#else
+  const u32 a[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+#if DT == 2
+    f[2 * k] = __uint_as_float(a[k] << 16);  // the lower address holds the low half
+    f[2 * k + 1] = __uint_as_float(a[k] & 0xffff0000u);
+#else
+    float lo, hi;
+    asm("{ .reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }" : "=f"(lo), "=f"(hi) : "r"(a[k]));
+    f[2 * k] = lo;
+    f[2 * k + 1] = hi;
+#endif
+  }
+#endif
+}
+
+// VEC fp32 values -> 16 bytes of the input dtype, rounded to nearest even.
+__device__ __forceinline__ V4 pack(const float* g) {
+  V4 v;
+#if DT == 0
+  v.x = __float_as_uint(g[0]);
+  v.y = __float_as_uint(g[1]);
+  v.z = __float_as_uint(g[2]);
+  v.w = __float_as_uint(g[3]);
+#else
+  u32 a[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    // cvt.rn.{bf16x2,f16x2}.f32 d, hi, lo: the first source goes to the upper half.
+#if DT == 2
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(a[k]) : "f"(g[2 * k + 1]), "f"(g[2 * k]));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(a[k]) : "f"(g[2 * k + 1]), "f"(g[2 * k]));
+#endif
+  }
+  v.x = a[0];
+  v.y = a[1];
+  v.z = a[2];
+  v.w = a[3];
+#endif
+  return v;
+}
+
+// tanh as the Triton kernel builds it: (1 - e) / (1 + e), e = exp(-2|u|), and the odd Taylor
+// series to u^5 below |u| = 1/16 where 1 - e cancels.
+__device__ __forceinline__ float tanh_k(float u) {
+  const float au = fabsf(u);
+  const float e = ex2_ftz(-2.0f * LOG2E * au);
+  const float big = __fdividef(1.0f - e, 1.0f + e);
+  const float u2 = au * au;
+  const float small = au * (1.0f - u2 * (0.3333333333333333f - u2 * 0.13333333333333333f));
+  const float t = au < 0.0625f ? small : big;
+  return u < 0.0f ? -t : t;
+}
+
+// Logit after the softcap (z), and t = tanh(x / cap) for the softcap's gradient.
+__device__ __forceinline__ float prep(float x, float cap, float inv_cap, float& t) {
+#if HAS_SOFTCAP
+  t = tanh_k(x * inv_cap);
+  return cap * t;
+#else
+  t = 0.0f;
+  return x;
+#endif
+}
+
+__device__ __forceinline__ u32 cluster_ctarank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+__device__ __forceinline__ u32 cluster_id_x() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
+  return r;
+}
+
+__device__ __forceinline__ u32 n_clusters_x() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
+  return r;
+}
+
+// All threads of all CTAs of the cluster. Only at the start and the end: its release half
+// compiles to MEMBAR.ALL.GPU (cuobjdump, sm_90, CUDA 13.0), which would wait for every load and
+// store in flight, the next row's prefetch included, once per row.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u64 s;
+  asm("cvta.to.shared.u64 %0, %1;" : "=l"(s) : "l"((u64)p));
+  return (u32)s;
+}
+
+__device__ __forceinline__ u32 map_to_rank(u32 addr, u32 rank) {
+  u32 r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+
+// The per-row exchange: st.async stores 16 bytes into CTA `rank`'s copy of `slot` and counts
+// them on that CTA's mbarrier (complete_tx); the receiver waits on its own mbarrier until all
+// CLUSTER partials have landed. No fence and no cluster barrier per row.
+__device__ __forceinline__ void send_f4(const float* slot, const u64* bar, u32 rank, float a, float b, float c, float d) {
+  const u32 rs = map_to_rank(smem_addr(slot), rank);
+  const u32 rb = map_to_rank(smem_addr(bar), rank);
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+               ::"r"(rs), "f"(a), "f"(b), "f"(c), "f"(d), "r"(rb) : "memory");
+}
+
+__device__ __forceinline__ void mbar_init(const u64* bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+
+// This CTA's one arrival on `bar` for the phase, announcing `bytes` of st.async to come. The
+// remote stores may land before it: the tx-count goes negative meanwhile, and the phase cannot
+// complete without this arrival.
+__device__ __forceinline__ void mbar_arrive_expect(const u64* bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(const u64* bar, u32 parity) {
+  const u32 a = smem_addr(bar);
+  u32 done = 0;
+  while (!done) {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done) : "r"(a), "r"(parity) : "memory");
+  }
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, MIN_BLOCKS)
+kprof_ce_sm90(const char* logits,      // [n_rows, n_cols], row stride stride_l elements, 16-byte aligned rows
+              int stride_l,
+              const long long* __restrict__ target,  // [n_rows] int64
+              char* grad,              // [n_rows, n_cols], row stride stride_g; may be logits (in place)
+              int stride_g,
+              float* __restrict__ loss,             // [n_rows] fp32 per-row loss (0 for ignored rows)
+              const float* __restrict__ scale,      // fp32 gradient scale: one value (scale_stride 0) or one per row
+              int scale_stride,
+              int n_rows,
+              int n_cols,              // a multiple of VEC
+              long long ignore_index,
+              float label_smoothing,
+              float z_loss,
+              float softcap) {
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int rank = (int)cluster_ctarank();
+  const int nvec = n_cols / VEC;
+  const int per_cta = (nvec + CLUSTER - 1) / CLUSTER;  // host: per_cta <= NV * THREADS
+  const int vbeg = rank * per_cta;
+  const int vend = min(vbeg + per_cta, nvec);
+  const float inv_cap = HAS_SOFTCAP ? 1.0f / softcap : 0.0f;
+  (void)inv_cap;
+  (void)z_loss;
+  (void)label_smoothing;
+  (void)grad;
+  (void)stride_g;
+
+  __shared__ float red_m[NWARPS];
+  __shared__ float red_s[3][NWARPS];
+  // part[phase][r] = CTA r's (max, sum exp, sum (z - max), target logit) for the current row;
+  // two phases so the next row's stores cannot land on a slot a slower CTA still reads.
+  __shared__ alignas(16) float part[2][CLUSTER][4];
+  __shared__ alignas(8) u64 bar[2];  // bar[b] completes when part[b] holds all CLUSTER partials
+
+  V4 cur[NV], nxt[NV];
+  const int step = (int)n_clusters_x();
+  int row = (int)cluster_id_x();
+  long long y = 0;
+  float sc = 0.0f;  // the row's gradient scale, loaded with its logits (a load after the barrier
+                    // would put one DRAM round trip per row on the critical path)
+  if (row < n_rows) {
+    const char* x_row = logits + (long long)row * stride_l * ES;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int v = vbeg + j * THREADS + tid;
+      if (v < vend) cur[j] = ld_cs(x_row + (long long)v * 16);
+    }
+    y = target[row];
+    sc = scale[(long long)row * scale_stride];
+  }
+  if (tid == 0) {
+    mbar_init(&bar[0], 1);
+    mbar_init(&bar[1], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  cluster_sync();  // every CTA has started and initialized its mbarriers before the first st.async
+  int xchg = 0;  // exchanges so far: buffer xchg & 1, its use count xchg >> 1 gives the parity
+
+  for (; row < n_rows; row += step) {
+    // ---- the cluster's next row: issue its loads now, use them next iteration
+    const int nrow = row + step;
+    long long y_next = 0;
+    float sc_next = 0.0f;
+    if (nrow < n_rows) {
+      const char* x_nrow = logits + (long long)nrow * stride_l * ES;
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const int v = vbeg + j * THREADS + tid;
+        if (v < vend) nxt[j] = ld_cs(x_nrow + (long long)v * 16);
+      }
+      y_next = target[nrow];
+      sc_next = scale[(long long)nrow * scale_stride];
+    }
+#if COMPUTE_GRAD
+    char* g_row = grad + (long long)row * stride_g * ES;
+#endif
+
+    if (y == ignore_index) {  // uniform across the cluster: every CTA skips the exchange
+      if (rank == 0 && tid == 0) loss[row] = 0.0f;
+#if COMPUTE_GRAD
+      const V4 zero = {0u, 0u, 0u, 0u};
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const int v = vbeg + j * THREADS + tid;
+        if (v < vend) st_cs(g_row + (long long)v * 16, zero);
+      }
+#endif
+    } else {
+      // ---- CTA max
+      float m = NEG_INF;
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const int v = vbeg + j * THREADS + tid;
+        if (v < vend) {
+          float f[VEC];
+          unpack(cur[j], f);
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) {
+            float t;
+            m = fmaxf(m, prep(f[k], softcap, inv_cap, t));
+          }
+        }
+      }
+      m = warp_max(m);
+      if (lane == 0) red_m[warp] = m;
+      __syncthreads();
+      float mc = NEG_INF;
+#pragma unroll
+      for (int w = 0; w < NWARPS; ++w) mc = fmaxf(mc, red_m[w]);
+      // d relative to the max (0 when the slice is all -inf, not nan); s relative to the max
+      // itself, as the Triton kernel keeps it.
+      const float mc_sub = mc == NEG_INF ? 0.0f : mc;
+
+      // ---- CTA sums: d = sum exp(z - max), s = sum (z - max), and the target's logit
+      const int vy = (int)(y / VEC);
+      const int ky = (int)(y % VEC);
+      float d = 0.0f, s = 0.0f, zy = 0.0f;
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const int v = vbeg + j * THREADS + tid;
+        if (v < vend) {
+          float f[VEC];
+          unpack(cur[j], f);
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) {
+            float t;
+            const float z = prep(f[k], softcap, inv_cap, t);
+            d += ex2_ftz((z - mc_sub) * LOG2E);
+#if HAS_SMOOTHING
+            s += z - mc;
+#endif
+            f[k] = z;
+          }
+          if (v == vy) {  // one compare per vector; the select per column runs in one thread a row
+#pragma unroll
+            for (int k = 0; k < VEC; ++k)
+              if (k == ky) zy = f[k];
+          }
+        }
+      }
+      d = warp_sum(d);
+#if HAS_SMOOTHING
+      s = warp_sum(s);
+#endif
+      zy = warp_sum(zy);
+      if (lane == 0) {
+        red_s[0][warp] = d;
+        red_s[1][warp] = s;
+        red_s[2][warp] = zy;
+      }
+      __syncthreads();
+      const int phase = xchg & 1;
+      if (tid == 0) mbar_arrive_expect(&bar[phase], CLUSTER * 16);
+      if (tid < CLUSTER) {  // thread r sends this CTA's partial to CTA r
+        float dc = 0.0f, s_c = 0.0f, zc = 0.0f;
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) {
+          dc += red_s[0][w];
+          s_c += red_s[1][w];
+          zc += red_s[2][w];
+        }
+        send_f4(&part[phase][rank][0], &bar[phase], (u32)tid, mc, dc, s_c, zc);
+      }
+      mbar_wait(&bar[phase], (u32)(xchg >> 1) & 1u);
+
+      // ---- combine the CLUSTER partials (every thread, from its own CTA's copy)
+      float M = NEG_INF;
+#pragma unroll
+      for (int r = 0; r < CLUSTER; ++r) M = fmaxf(M, part[phase][r][0]);
+      const float M_sub = M == NEG_INF ? 0.0f : M;
+      float D = 0.0f, S = 0.0f, ZY = 0.0f;
+#pragma unroll
+      for (int r = 0; r < CLUSTER; ++r) {
+        const float mr = part[phase][r][0];
+        D += part[phase][r][1] * ex2_ftz((mr - M_sub) * LOG2E);  // an all -inf slice: 0 * 0
+#if HAS_SMOOTHING
+        const int nr = max(0, min(per_cta, nvec - r * per_cta)) * VEC;
+        if (nr > 0) S += part[phase][r][2] + (float)nr * (mr - M);
+#endif
+        ZY += part[phase][r][3];
+      }
+      ++xchg;
+      const float log_d = logf(D);
+      const float lse = M + log_d;
+#if HAS_SMOOTHING
+      float row_loss = log_d + (1.0f - label_smoothing) * (M - ZY) - (label_smoothing / (float)n_cols) * S;
+#else
+      float row_loss = log_d + (M - ZY);
+#endif
+#if HAS_Z_LOSS
+      row_loss += z_loss * lse * lse;
+#endif
+      if (rank == 0 && tid == 0) loss[row] = row_loss;
+      (void)lse;
+
+#if COMPUTE_GRAD
+      // ---- gradient: softmax * (1 + 2 z lse) - eps / V - (1 - eps) [j == y], times the scale,
+      // through the softcap's 1 - t^2; softmax = exp(z - M) / D as in the Triton kernel.
+      float p_coef = sc / D;
+#if HAS_Z_LOSS
+      p_coef *= 1.0f + 2.0f * z_loss * lse;
+#endif
+      const float smooth_g = HAS_SMOOTHING ? sc * (label_smoothing / (float)n_cols) : 0.0f;
+      const float target_g = sc * (1.0f - label_smoothing);
+      (void)smooth_g;
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const int v = vbeg + j * THREADS + tid;
+        if (v < vend) {
+          float f[VEC], g[VEC];
+          unpack(cur[j], f);
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) {
+            float t;
+            const float z = prep(f[k], softcap, inv_cap, t);
+            float gk = ex2_ftz((z - M) * LOG2E) * p_coef;
+#if HAS_SMOOTHING
+            gk -= smooth_g;
+#endif
+            g[k] = gk;
+            f[k] = t;
+          }
+          if (v == vy) {
+#pragma unroll
+            for (int k = 0; k < VEC; ++k)
+              if (k == ky) g[k] -= target_g;
+          }
+#if HAS_SOFTCAP
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) g[k] *= 1.0f - f[k] * f[k];
+#endif
+          st_cs(g_row + (long long)v * 16, pack(g));
+        }
+      }
+#endif
+    }
+#pragma unroll
+    for (int j = 0; j < NV; ++j) cur[j] = nxt[j];
+    y = y_next;
+    sc = sc_next;
+  }
+  cluster_sync();  // no CTA exits while a partial addressed to it may be in flight
+}
