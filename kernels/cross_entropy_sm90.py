@@ -34,14 +34,16 @@ _KERNEL_NAME = b"kprof_ce_sm90"
 # Rows up to this many columns take the Triton kernel's single-block path, which already reads
 # every logit once (cross_entropy.CEConfig.single_block_max).
 _MIN_COLS = 16384 + 1
-# Register budget per thread: two row buffers of NV 16-byte vectors (8 NV registers) plus ~60
-# for the rest; NV = 8 compiles to 112-128 registers without spills (ptxas, sm_90, CUDA 13.0),
-# the most that 256 threads x 2 CTAs or 512 threads x 1 CTA per SM allow (65536 registers).
-_MAX_NV = 8
-# (threads, CTAs per SM) in order of preference: 2 CTAs of 256 threads per SM let one CTA's
-# reductions and barrier overlap the other's loads.
-_SHAPES = ((256, 2), (512, 1))
-_CLUSTER = 8  # the portable maximum cluster size
+# Per thread: NV 16-byte vectors of the row, whose exp values stay in fp32 registers from the
+# sums to the gradient (NV * VEC registers: 64 for bf16 at NV = 8, within 512 threads' 128).
+_MAX_VALUES = 64
+# (CTAs per cluster, threads per CTA) in order of preference. Measured on the H200 (2026-11-30
+# 05:59, bf16 8192 x 128256, the register-prefetch form): cluster 4 x 512 threads 1.14 ms,
+# 8 x 256 (2 CTAs an SM) 1.22 ms, 8 x 512 1.39 ms, 4 x 1024 1.41 ms, 8 x 1024 1.78 ms.
+_SHAPES = ((4, 512), (8, 512))
+# Two row slices per CTA in shared memory (the current row and the next one arriving); the
+# H100/H200 opt-in limit is 227 KB a block.
+_MAX_SMEM = 200 * 1024
 
 
 @dataclass(frozen=True)
@@ -73,13 +75,18 @@ def plan(n_rows: int, n_cols: int, itemsize: int, row_strides: tuple[int, ...], 
         return f"rows are not 16-byte aligned (V = {n_cols}, row strides {row_strides}, {itemsize}-byte elements)"
     if n_rows >= 2**31 or any(s >= 2**31 for s in row_strides):
         return "more than 2^31 rows or a row stride past 2^31 elements"
-    per_cta = math.ceil(n_cols // vec / _CLUSTER)
-    for threads, blocks in _SHAPES:
+    for cluster, threads in _SHAPES:
+        per_cta = math.ceil(n_cols // vec / cluster)
         nv = math.ceil(per_cta / threads)
-        if nv <= _MAX_NV:
-            return ClusterConfig(_CLUSTER, threads, nv, blocks)
-    cap = _CLUSTER * _SHAPES[-1][0] * _MAX_NV * vec
-    return f"V = {n_cols} is over the {cap} columns a cluster holds in registers"
+        if nv * vec <= _MAX_VALUES and 2 * per_cta * 16 <= _MAX_SMEM:
+            return ClusterConfig(cluster, threads, nv, 1)
+    cl, th = _SHAPES[-1]
+    cap = min(cl * th * _MAX_VALUES, cl * (_MAX_SMEM // 32) * vec)
+    return f"V = {n_cols} is over the {cap} columns a cluster holds ({itemsize}-byte logits)"
+
+
+def smem_bytes(cfg: ClusterConfig, n_cols: int, itemsize: int) -> int:
+    return 2 * math.ceil(n_cols * itemsize // 16 / cfg.cluster) * 16
 
 
 def _defines(cfg: ClusterConfig, dtype: torch.dtype, smoothing: bool, z_loss: bool, softcap: bool,
@@ -191,16 +198,17 @@ class _CUlaunchConfig(ctypes.Structure):
 @dataclass
 class _Loaded:
     func: ctypes.c_void_p
-    max_clusters: int  # clusters resident at once (cuOccupancyMaxActiveClusters)
+    max_clusters: dict  # dynamic shared memory bytes -> clusters resident at once
 
 
 _loaded: dict[tuple, _Loaded] = {}
 _broken: dict[int, str] = {}  # device index -> why the cluster path failed there
 # Launches per backend since import (tests check that the path they mean to test ran).
 launches = {"cluster": 0}
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
-def _load(device: torch.device, cfg: ClusterConfig, defines) -> _Loaded:
+def _load(device: torch.device, defines) -> _Loaded:
     key = (device.index, defines)
     hit = _loaded.get(key)
     if hit is not None:
@@ -213,16 +221,28 @@ def _load(device: torch.device, cfg: ClusterConfig, defines) -> _Loaded:
         mod, func = ctypes.c_void_p(), ctypes.c_void_p()
         _cu_check(cu.cuModuleLoadData(ctypes.byref(mod), cubin), "cuModuleLoadData")
         _cu_check(cu.cuModuleGetFunction(ctypes.byref(func), mod, _KERNEL_NAME), "cuModuleGetFunction")
-        lc = _CUlaunchConfig(cfg.cluster * 64, 1, 1, cfg.threads, 1, 1, 0, None, None, 0)
-        n = ctypes.c_int(0)
-        rc = cu.cuOccupancyMaxActiveClusters(ctypes.byref(n), func, ctypes.byref(lc))
+        _cu_check(cu.cuFuncSetAttribute(func, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, _MAX_SMEM),
+                  "cuFuncSetAttribute (dynamic shared memory)")
+    hit = _Loaded(func, {})
+    _loaded[key] = hit
+    return hit
+
+
+def _max_clusters(device: torch.device, k: _Loaded, cfg: ClusterConfig, smem: int) -> int:
+    """Clusters resident at once (cuOccupancyMaxActiveClusters): the persistent grid. On the H200
+    it is 30 clusters of 4 (120 of 132 SMs: a cluster lives inside one GPC) and 15 of 8."""
+    n = k.max_clusters.get(smem)
+    if n is None:
+        lc = _CUlaunchConfig(cfg.cluster * 64, 1, 1, cfg.threads, 1, 1, smem, None, None, 0)
+        out = ctypes.c_int(0)
+        with torch.cuda.device(device):
+            rc = _cuda().cuOccupancyMaxActiveClusters(ctypes.byref(out), k.func, ctypes.byref(lc))
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         # Without the query's answer, a guess that can only under-fill (never queue a cluster
         # behind the others, which would double the time of its rows).
-        max_clusters = n.value if rc == 0 and n.value > 0 else max(1, sms // (2 * cfg.cluster))
-    hit = _Loaded(func, max_clusters)
-    _loaded[key] = hit
-    return hit
+        n = out.value if rc == 0 and out.value > 0 else max(1, sms // (2 * cfg.cluster))
+        k.max_clusters[smem] = n
+    return n
 
 
 def try_launch(
@@ -250,20 +270,25 @@ def try_launch(
         n_rows, n_cols, logits.element_size(), (logits.stride(0), g.stride(0)), (logits.data_ptr(), g.data_ptr()),
         torch.cuda.get_device_capability(dev),
     )
+    if mode == "auto" and softcap > 0.0 and config is None:
+        # Measured slower with the softcap (H200, 2026-11-30, Gemma 4096 x 256000: 3.00 ms
+        # against the Triton kernel's 2.48 ms): it recomputes tanh in each pass.
+        return False
     if isinstance(cfg, str) or idx in _broken:
         if mode == "cluster":
             raise KprofError(f"KPROF_CE_BACKEND=cluster, but the cluster kernel cannot run: {cfg if isinstance(cfg, str) else _broken[idx]}")
         return False
     defines = _defines(cfg, logits.dtype, label_smoothing > 0.0, z_loss != 0.0, softcap > 0.0, grad is not None)
     try:
-        k = _load(dev, cfg, defines)
+        k = _load(dev, defines)
     except (KprofError, OSError) as e:
         if mode == "cluster":
             raise
         _broken[idx] = str(e).splitlines()[0]
         warnings.warn(f"kprof cross_entropy: the sm_90 cluster kernel is unavailable ({_broken[idx]}); using the Triton kernel", stacklevel=3)
         return False
-    n_clusters = min(n_rows, cfg.n_clusters or k.max_clusters)
+    smem = smem_bytes(cfg, n_cols, logits.element_size())
+    n_clusters = min(n_rows, cfg.n_clusters or _max_clusters(dev, k, cfg, smem))
     tgt = target if target.dtype == torch.int64 else target.to(torch.int64)
     tgt = tgt.contiguous()
     vals = [
@@ -277,12 +302,12 @@ def try_launch(
     stream = ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream)
     if idx != torch.cuda.current_device():  # the function belongs to that device's context
         with torch.cuda.device(idx):
-            rc = _cuda().cuLaunchKernel(k.func, n_clusters * cfg.cluster, 1, 1, cfg.threads, 1, 1, 0, stream, params, None)
+            rc = _cuda().cuLaunchKernel(k.func, n_clusters * cfg.cluster, 1, 1, cfg.threads, 1, 1, smem, stream, params, None)
     else:
-        rc = _cuda().cuLaunchKernel(k.func, n_clusters * cfg.cluster, 1, 1, cfg.threads, 1, 1, 0, stream, params, None)
+        rc = _cuda().cuLaunchKernel(k.func, n_clusters * cfg.cluster, 1, 1, cfg.threads, 1, 1, smem, stream, params, None)
     _cu_check(rc, "cuLaunchKernel (cross_entropy_sm90)")
     launches["cluster"] += 1
     return True
 
 
-__all__ = ["ClusterConfig", "backend", "compile_cubin", "plan", "source", "try_launch"]
+__all__ = ["ClusterConfig", "backend", "compile_cubin", "plan", "smem_bytes", "source", "try_launch"]

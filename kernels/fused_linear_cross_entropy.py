@@ -54,6 +54,7 @@ from kprof.kernels.cross_entropy import (
     _check_target_values,
     _grad_scale,
     _itemsize,
+    _n_valid,
     _reduce,
     cross_entropy_reference,
 )
@@ -277,6 +278,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.opts = opts
         ctx.chunk = (chunk_size, accum_fp32)
         ctx.has_bias = bias is not None
+        n_valid = None
         if reduction == "none":
             # Per-token grad_output is only known in the backward: store inputs, recompute there.
             ones = torch.ones((), dtype=torch.float32, device=hidden.device)
@@ -285,7 +287,8 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             )
             ctx.save_for_backward(hidden, weight, bias, target)
         else:
-            scale = _grad_scale(target, ignore_index, reduction)
+            n_valid = _n_valid(target, ignore_index) if reduction == "mean" else None
+            scale = _grad_scale(target, ignore_index, reduction, n_valid)
             if grad_into_hidden and need_gh and hidden.is_contiguous() and not via_custom_op():
                 # Eager only (the custom op is functional). hidden's version counter moves (the
                 # GEMMs write it with out=), so anything else that saved hidden fails loudly in
@@ -302,7 +305,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
                 )
             ctx.save_for_backward(gh, gw, gb)
             ctx.need = (need_gh, need_gw, need_gb)
-        return _cast_result(_reduce(loss_rows, target, ignore_index, reduction), hidden.dtype)
+        return _cast_result(_reduce(loss_rows, target, ignore_index, reduction, n_valid), hidden.dtype)
 
     @staticmethod
     def backward(ctx, grad_output):

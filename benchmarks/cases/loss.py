@@ -247,11 +247,13 @@ def sweep_ce_cluster(n: int = _N, v: int = _V, dtype: torch.dtype = torch.bfloat
         return []
     vec = 16 // logits.element_size()
     configs = [base]
-    for cl, th, mb in ((8, 512, 1), (8, 512, 2), (8, 1024, 1), (4, 512, 1), (4, 1024, 1), (8, 256, 1)):
-        nv = -(-(-(-(v // vec) // cl)) // th)
-        if nv <= 8:
-            configs.append(sm90.ClusterConfig(cl, th, nv, mb))
-    configs += [dataclasses.replace(base, n_clusters=k) for k in (8, 12, 16, 24)]
+    for cl, th, mb in ((4, 512, 1), (8, 512, 1), (8, 256, 2), (8, 256, 1), (4, 1024, 1), (8, 1024, 1)):
+        per_cta = -(-(v // vec) // cl)
+        nv = -(-per_cta // th)
+        cfg = sm90.ClusterConfig(cl, th, nv, mb)
+        if nv * vec <= 64 and 2 * per_cta * 16 * mb <= 220 * 1024 and cfg not in configs:
+            configs.append(cfg)
+    configs += [dataclasses.replace(base, n_clusters=k) for k in (16, 24, 28)]
     nbytes = _ce._ce_cost(n, v, dtype)["fwd"].bytes
     rows = []
 
@@ -280,7 +282,7 @@ def sweep_ce_cluster(n: int = _N, v: int = _V, dtype: torch.dtype = torch.bfloat
             print(f"  {name}: {rows[-1]['note']}", flush=True)
             continue
         key = [k for k in sm90._loaded if k[1] == sm90._defines(cfg, dtype, False, False, softcap > 0, True)]
-        maxc = sm90._loaded[key[0]].max_clusters if key else "?"
+        maxc = sm90._loaded[key[0]].max_clusters.get(sm90.smem_bytes(cfg, v, logits.element_size()), "?") if key else "?"
         rows.append({"name": name + f" (max resident clusters {maxc})", "us": us, "spread": spread,
                      "tbps": nbytes / (us * 1e-6) / 1e12, "default": cfg == base})
         print(f"  measured {rows[-1]['name']}: {us:.1f} us", flush=True)

@@ -7,16 +7,20 @@
 // a 0.98 ms floor (read 2.1 GB + write 2.1 GB at 4.27 TB/s). Splitting a row across Triton
 // programs that meet through global memory was measured slower (1.56 ms: a chain of dependent
 // round trips per segment, see CEConfig). Hopper's clusters give a cheaper meeting point: the
-// CTAs of a cluster hold one row between them in registers (CLUSTER x THREADS x NV x 16 bytes;
-// 8 x 256 x 8 x 16 B = 256 KB for bf16 V = 128256) and swap their partial (max, sum exp, sum,
-// target logit) through distributed shared memory, one st.async + mbarrier exchange per row.
+// CTAs of a cluster hold one row between them (CTA r its r-th contiguous slice) and swap their
+// partial (max, sum exp, sum, target logit) through distributed shared memory: st.async into
+// every CTA's slot, counted on the receiver's mbarrier, one exchange per row, no fence.
 //
-// Per row, per CTA: thread max -> CTA max (one __syncthreads), thread sums relative to it ->
-// CTA partial (one __syncthreads), partial stored into every CTA's slot (st.shared::cluster),
-// wait on this CTA's mbarrier for the other partials, combine, gradient from the registers,
-// streaming stores. The next row of the
-// cluster is loaded into a second register set at the top of the row, so its DRAM reads are in
-// flight during this row's reductions and barrier.
+// Per row, per CTA: wait for the slice's bulk copy (cp.async.bulk, issued a row ahead into the
+// other of two shared-memory buffers, so the DRAM reads of the next row overlap this one), thread
+// max -> CTA max (__syncthreads), exp(z - max) into registers and thread sums -> CTA partial
+// (__syncthreads), exchange, combine, gradient from the registers, streaming stores.
+//
+// Measured on the H200 (2026-11-30 05:59, bf16 8192 x 128256, graph time): a first form kept both
+// row slices in registers (ld.global a row ahead) and took two exps per logit: 1.14 ms at best
+// (cluster 4 x 512 threads) against the Triton kernel's 1.26 ms in the same run; the exps alone
+// (MUFU.EX2, 16 per clock per SM) were ~2 us of its ~4.2 us per row. Holding exp(z - max) for the
+// gradient needs the registers the prefetched row took, hence the row in shared memory.
 //
 // Math and semantics follow kprof.kernels.cross_entropy's Triton kernel line by line (softcap,
 // label smoothing relative to the max, z-loss, grad scale, ignore_index rows -> zero gradient).
@@ -25,9 +29,10 @@
 //   DT           0 fp32, 1 fp16, 2 bf16 (logits and gradient)
 //   CLUSTER      CTAs per cluster (a row is split CLUSTER ways)
 //   THREADS      threads per CTA
-//   NV           16-byte vectors per thread per row (registers: 4 * NV per row buffer, two buffers)
+//   NV           16-byte vectors per thread per row (exp values held: NV * VEC fp32 registers)
 //   MIN_BLOCKS   __launch_bounds__ minimum CTAs per SM
 //   HAS_SMOOTHING, HAS_Z_LOSS, HAS_SOFTCAP, COMPUTE_GRAD   0 or 1
+// Dynamic shared memory: 2 x ceil(V / VEC / CLUSTER) x 16 bytes (the launcher sets it).
 // No headers: NVRTC compiles it as is (conversions and memory ops are inline PTX).
 
 #if DT == 0
@@ -44,7 +49,7 @@
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
-struct V4 {
+struct alignas(16) V4 {  // 16-byte aligned: the bulk copy's dynamic shared memory target
   u32 x, y, z, w;
 };
 
@@ -54,14 +59,7 @@ __device__ __forceinline__ float ex2_ftz(float x) {
   return y;
 }
 
-// Streaming (evict-first) 16-byte load and store. volatile keeps the loads where they are
-// written: the next row's loads must issue at the top of the row, not sink to their first use.
-__device__ __forceinline__ V4 ld_cs(const char* p) {
-  V4 v;
-  asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
+// Streaming (evict-first) 16-byte store: the gradient is not read again by this kernel.
 __device__ __forceinline__ void st_cs(char* p, V4 v) {
   asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
@@ -208,6 +206,14 @@ __device__ __forceinline__ void mbar_wait(const u64* bar, u32 parity) {
   }
 }
 
+// One bulk copy (the TMA engine, no registers, one instruction) of `bytes` from global memory
+// into this CTA's shared memory, counted on `bar` (which this thread arms with the byte count).
+__device__ __forceinline__ void bulk_load(void* dst, const char* src, u32 bytes, const u64* bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -243,6 +249,7 @@ kprof_ce_sm90(const char* logits,      // [n_rows, n_cols], row stride stride_l 
   const int per_cta = (nvec + CLUSTER - 1) / CLUSTER;  // host: per_cta <= NV * THREADS
   const int vbeg = rank * per_cta;
   const int vend = min(vbeg + per_cta, nvec);
+  const u32 slice_bytes = (u32)max(0, vend - vbeg) * 16u;
   const float inv_cap = HAS_SOFTCAP ? 1.0f / softcap : 0.0f;
   (void)inv_cap;
   (void)z_loss;
@@ -250,52 +257,56 @@ kprof_ce_sm90(const char* logits,      // [n_rows, n_cols], row stride stride_l 
   (void)grad;
   (void)stride_g;
 
+  // Two row slices of this CTA (dynamic shared memory, 2 x per_cta x 16 bytes): the current row,
+  // and the cluster's next row arriving by bulk copy meanwhile.
+  extern __shared__ V4 rowbuf[];
   __shared__ float red_m[NWARPS];
   __shared__ float red_s[3][NWARPS];
-  // part[phase][r] = CTA r's (max, sum exp, sum (z - max), target logit) for the current row;
-  // two phases so the next row's stores cannot land on a slot a slower CTA still reads.
+  // part[b][r] = CTA r's (max, sum exp, sum (z - max), target logit) for an exchange; two
+  // buffers so the next exchange's stores cannot land on a slot this CTA still reads.
   __shared__ alignas(16) float part[2][CLUSTER][4];
-  __shared__ alignas(8) u64 bar[2];  // bar[b] completes when part[b] holds all CLUSTER partials
+  __shared__ alignas(8) u64 xbar[2];  // xbar[b] completes when part[b] holds all CLUSTER partials
+  __shared__ alignas(8) u64 lbar[2];  // lbar[b] completes when rowbuf slice b has landed
 
-  V4 cur[NV], nxt[NV];
   const int step = (int)n_clusters_x();
   int row = (int)cluster_id_x();
-  long long y = 0;
-  float sc = 0.0f;  // the row's gradient scale, loaded with its logits (a load after the barrier
-                    // would put one DRAM round trip per row on the critical path)
-  if (row < n_rows) {
-    const char* x_row = logits + (long long)row * stride_l * ES;
-#pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      const int v = vbeg + j * THREADS + tid;
-      if (v < vend) cur[j] = ld_cs(x_row + (long long)v * 16);
-    }
-    y = target[row];
-    sc = scale[(long long)row * scale_stride];
-  }
   if (tid == 0) {
-    mbar_init(&bar[0], 1);
-    mbar_init(&bar[1], 1);
+    mbar_init(&xbar[0], 1);
+    mbar_init(&xbar[1], 1);
+    mbar_init(&lbar[0], 1);
+    mbar_init(&lbar[1], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   cluster_sync();  // every CTA has started and initialized its mbarriers before the first st.async
+  if (tid == 0 && row < n_rows && slice_bytes > 0)
+    bulk_load(rowbuf, logits + ((long long)row * stride_l + (long long)vbeg * VEC) * ES, slice_bytes, &lbar[0]);
+  long long y = 0;
+  float sc = 0.0f;  // the row's gradient scale (loaded a row ahead: a load after the exchange
+                    // would put one DRAM round trip per row on the critical path)
+  if (row < n_rows) {
+    y = target[row];
+    sc = scale[(long long)row * scale_stride];
+  }
   int xchg = 0;  // exchanges so far: buffer xchg & 1, its use count xchg >> 1 gives the parity
+  int k = 0;     // rows so far: slice buffer k & 1, parity (k >> 1) & 1
 
-  for (; row < n_rows; row += step) {
-    // ---- the cluster's next row: issue its loads now, use them next iteration
+  for (; row < n_rows; row += step, ++k) {
+    // ---- the cluster's next row: one bulk copy into the other slice buffer. Its last reader
+    // was the row before this one, whose passes all threads finished before that row's second
+    // __syncthreads (or, for an ignored row, before this row's first).
     const int nrow = row + step;
     long long y_next = 0;
     float sc_next = 0.0f;
     if (nrow < n_rows) {
-      const char* x_nrow = logits + (long long)nrow * stride_l * ES;
-#pragma unroll
-      for (int j = 0; j < NV; ++j) {
-        const int v = vbeg + j * THREADS + tid;
-        if (v < vend) nxt[j] = ld_cs(x_nrow + (long long)v * 16);
+      if (tid == 0 && slice_bytes > 0) {
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic reads before async-proxy writes
+        bulk_load(rowbuf + ((k + 1) & 1) * per_cta,
+                  logits + ((long long)nrow * stride_l + (long long)vbeg * VEC) * ES, slice_bytes, &lbar[(k + 1) & 1]);
       }
       y_next = target[nrow];
       sc_next = scale[(long long)nrow * scale_stride];
     }
+    const V4* cur = rowbuf + (k & 1) * per_cta;
 #if COMPUTE_GRAD
     char* g_row = grad + (long long)row * stride_g * ES;
 #endif
@@ -310,7 +321,10 @@ kprof_ce_sm90(const char* logits,      // [n_rows, n_cols], row stride stride_l 
         if (v < vend) st_cs(g_row + (long long)v * 16, zero);
       }
 #endif
+      if (slice_bytes > 0) mbar_wait(&lbar[k & 1], (u32)(k >> 1) & 1u);  // the buffer is reused two rows on
+      __syncthreads();
     } else {
+      if (slice_bytes > 0) mbar_wait(&lbar[k & 1], (u32)(k >> 1) & 1u);
       // ---- CTA max
       float m = NEG_INF;
 #pragma unroll
@@ -318,11 +332,11 @@ kprof_ce_sm90(const char* logits,      // [n_rows, n_cols], row stride stride_l 
         const int v = vbeg + j * THREADS + tid;
         if (v < vend) {
           float f[VEC];
-          unpack(cur[j], f);
+          unpack(cur[j * THREADS + tid], f);
 #pragma unroll
-          for (int k = 0; k < VEC; ++k) {
+          for (int q = 0; q < VEC; ++q) {
             float t;
-            m = fmaxf(m, prep(f[k], softcap, inv_cap, t));
+            m = fmaxf(m, prep(f[q], softcap, inv_cap, t));
           }
         }
       }
@@ -336,30 +350,39 @@ kprof_ce_sm90(const char* logits,      // [n_rows, n_cols], row stride stride_l 
       // itself, as the Triton kernel keeps it.
       const float mc_sub = mc == NEG_INF ? 0.0f : mc;
 
-      // ---- CTA sums: d = sum exp(z - max), s = sum (z - max), and the target's logit
+      // ---- CTA sums: d = sum exp(z - max), s = sum (z - max), and the target's logit. Without
+      // the softcap, exp(z - max) stays in registers for the gradient: one exp per logit instead
+      // of two (MUFU.EX2 runs at 16 per clock per SM; two per logit were ~2 us of a 4.2 us row).
       const int vy = (int)(y / VEC);
       const int ky = (int)(y % VEC);
       float d = 0.0f, s = 0.0f, zy = 0.0f;
+#if !HAS_SOFTCAP
+      float e[NV][VEC];
+#endif
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
         const int v = vbeg + j * THREADS + tid;
         if (v < vend) {
           float f[VEC];
-          unpack(cur[j], f);
+          unpack(cur[j * THREADS + tid], f);
 #pragma unroll
-          for (int k = 0; k < VEC; ++k) {
+          for (int q = 0; q < VEC; ++q) {
             float t;
-            const float z = prep(f[k], softcap, inv_cap, t);
-            d += ex2_ftz((z - mc_sub) * LOG2E);
+            const float z = prep(f[q], softcap, inv_cap, t);
+            const float ez = ex2_ftz((z - mc_sub) * LOG2E);
+            d += ez;
+#if !HAS_SOFTCAP
+            e[j][q] = ez;
+#endif
 #if HAS_SMOOTHING
             s += z - mc;
 #endif
-            f[k] = z;
+            f[q] = z;
           }
           if (v == vy) {  // one compare per vector; the select per column runs in one thread a row
 #pragma unroll
-            for (int k = 0; k < VEC; ++k)
-              if (k == ky) zy = f[k];
+            for (int q = 0; q < VEC; ++q)
+              if (q == ky) zy = f[q];
           }
         }
       }
@@ -375,7 +398,7 @@ kprof_ce_sm90(const char* logits,      // [n_rows, n_cols], row stride stride_l 
       }
       __syncthreads();
       const int phase = xchg & 1;
-      if (tid == 0) mbar_arrive_expect(&bar[phase], CLUSTER * 16);
+      if (tid == 0) mbar_arrive_expect(&xbar[phase], CLUSTER * 16);
       if (tid < CLUSTER) {  // thread r sends this CTA's partial to CTA r
         float dc = 0.0f, s_c = 0.0f, zc = 0.0f;
 #pragma unroll
@@ -384,9 +407,9 @@ kprof_ce_sm90(const char* logits,      // [n_rows, n_cols], row stride stride_l 
           s_c += red_s[1][w];
           zc += red_s[2][w];
         }
-        send_f4(&part[phase][rank][0], &bar[phase], (u32)tid, mc, dc, s_c, zc);
+        send_f4(&part[phase][rank][0], &xbar[phase], (u32)tid, mc, dc, s_c, zc);
       }
-      mbar_wait(&bar[phase], (u32)(xchg >> 1) & 1u);
+      mbar_wait(&xbar[phase], (u32)(xchg >> 1) & 1u);
 
       // ---- combine the CLUSTER partials (every thread, from its own CTA's copy)
       float M = NEG_INF;
@@ -405,6 +428,7 @@ kprof_ce_sm90(const char* logits,      // [n_rows, n_cols], row stride stride_l 
         ZY += part[phase][r][3];
       }
       ++xchg;
+      (void)S;
       const float log_d = logf(D);
       const float lse = M + log_d;
 #if HAS_SMOOTHING
@@ -420,10 +444,14 @@ kprof_ce_sm90(const char* logits,      // [n_rows, n_cols], row stride stride_l 
 
 #if COMPUTE_GRAD
       // ---- gradient: softmax * (1 + 2 z lse) - eps / V - (1 - eps) [j == y], times the scale,
-      // through the softcap's 1 - t^2; softmax = exp(z - M) / D as in the Triton kernel.
+      // through the softcap's 1 - t^2; softmax = exp(z - M) / D as in the Triton kernel, here
+      // exp(z - mc) * exp(mc - M) (mc = -inf: the slice's e are 0 and so is the factor).
       float p_coef = sc / D;
 #if HAS_Z_LOSS
       p_coef *= 1.0f + 2.0f * z_loss * lse;
+#endif
+#if !HAS_SOFTCAP
+      const float e_coef = p_coef * ex2_ftz((mc - M) * LOG2E);
 #endif
       const float smooth_g = HAS_SMOOTHING ? sc * (label_smoothing / (float)n_cols) : 0.0f;
       const float target_g = sc * (1.0f - label_smoothing);
@@ -432,35 +460,40 @@ kprof_ce_sm90(const char* logits,      // [n_rows, n_cols], row stride stride_l 
       for (int j = 0; j < NV; ++j) {
         const int v = vbeg + j * THREADS + tid;
         if (v < vend) {
-          float f[VEC], g[VEC];
-          unpack(cur[j], f);
-#pragma unroll
-          for (int k = 0; k < VEC; ++k) {
-            float t;
-            const float z = prep(f[k], softcap, inv_cap, t);
-            float gk = ex2_ftz((z - M) * LOG2E) * p_coef;
-#if HAS_SMOOTHING
-            gk -= smooth_g;
+          float g[VEC];
+#if HAS_SOFTCAP
+          float f[VEC];
+          unpack(cur[j * THREADS + tid], f);
 #endif
-            g[k] = gk;
-            f[k] = t;
+#pragma unroll
+          for (int q = 0; q < VEC; ++q) {
+#if HAS_SOFTCAP
+            float t;
+            const float z = prep(f[q], softcap, inv_cap, t);
+            float gq = ex2_ftz((z - M) * LOG2E) * p_coef;
+            f[q] = t;
+#else
+            float gq = e[j][q] * e_coef;
+#endif
+#if HAS_SMOOTHING
+            gq -= smooth_g;
+#endif
+            g[q] = gq;
           }
           if (v == vy) {
 #pragma unroll
-            for (int k = 0; k < VEC; ++k)
-              if (k == ky) g[k] -= target_g;
+            for (int q = 0; q < VEC; ++q)
+              if (q == ky) g[q] -= target_g;
           }
 #if HAS_SOFTCAP
 #pragma unroll
-          for (int k = 0; k < VEC; ++k) g[k] *= 1.0f - f[k] * f[k];
+          for (int q = 0; q < VEC; ++q) g[q] *= 1.0f - f[q] * f[q];
 #endif
           st_cs(g_row + (long long)v * 16, pack(g));
         }
       }
 #endif
     }
-#pragma unroll
-    for (int j = 0; j < NV; ++j) cur[j] = nxt[j];
     y = y_next;
     sc = sc_next;
   }
