@@ -48,14 +48,12 @@ from kprof.kernels._common import use_triton, via_custom_op, warn_fallback
 from kprof.kernels.cross_entropy import (
     _DTYPES,
     _FWD_FLOPS_PER_LOGIT,
-    _cast_result,
     _ce_fwd_launch,
     _check_options,
     _check_target_values,
-    _grad_scale,
+    _finish,
     _itemsize,
-    _n_valid,
-    _reduce,
+    _scale_and_count,
     cross_entropy_reference,
 )
 from kprof.kernels.registry import Cost, KernelSpec, register
@@ -287,8 +285,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             )
             ctx.save_for_backward(hidden, weight, bias, target)
         else:
-            n_valid = _n_valid(target, ignore_index) if reduction == "mean" else None
-            scale = _grad_scale(target, ignore_index, reduction, n_valid)
+            scale, n_valid = _scale_and_count(target, ignore_index, reduction)
             if grad_into_hidden and need_gh and hidden.is_contiguous() and not via_custom_op():
                 # Eager only (the custom op is functional). hidden's version counter moves (the
                 # GEMMs write it with out=), so anything else that saved hidden fails loudly in
@@ -305,7 +302,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
                 )
             ctx.save_for_backward(gh, gw, gb)
             ctx.need = (need_gh, need_gw, need_gb)
-        return _cast_result(_reduce(loss_rows, target, ignore_index, reduction, n_valid), hidden.dtype)
+        return _finish(loss_rows, target, ignore_index, reduction, n_valid, hidden.dtype)
 
     @staticmethod
     def backward(ctx, grad_output):

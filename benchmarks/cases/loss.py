@@ -250,10 +250,10 @@ def sweep_ce_cluster(n: int = _N, v: int = _V, dtype: torch.dtype = torch.bfloat
     for cl, th, mb in ((4, 512, 1), (8, 512, 1), (8, 256, 2), (8, 256, 1), (4, 1024, 1), (8, 1024, 1)):
         per_cta = -(-(v // vec) // cl)
         nv = -(-per_cta // th)
-        cfg = sm90.ClusterConfig(cl, th, nv, mb)
+        cfg = sm90.ClusterConfig(cl, th, nv, mb, nbuf=3 if 3 * per_cta * 16 * mb <= 220 * 1024 else 2)
         if nv * vec <= 64 and 2 * per_cta * 16 * mb <= 220 * 1024 and cfg not in configs:
             configs.append(cfg)
-    configs += [dataclasses.replace(base, n_clusters=k) for k in (16, 24, 28)]
+    configs += [dataclasses.replace(base, nbuf=2)] + [dataclasses.replace(base, n_clusters=k) for k in (24, 28)]
     nbytes = _ce._ce_cost(n, v, dtype)["fwd"].bytes
     rows = []
 
@@ -269,7 +269,8 @@ def sweep_ce_cluster(n: int = _N, v: int = _V, dtype: torch.dtype = torch.bfloat
             lg, tg, sc, ls, gr = sets[i]
             assert sm90.try_launch(lg, tg, gr, ls, sc, -100, 0.0, 0.0, softcap, config=cfg)
 
-        name = f"cluster={cfg.cluster} threads={cfg.threads} nv={cfg.nv} min_blocks={cfg.min_blocks} n_clusters={cfg.n_clusters or 'max'}"
+        name = (f"cluster={cfg.cluster} threads={cfg.threads} nv={cfg.nv} min_blocks={cfg.min_blocks} nbuf={cfg.nbuf} "
+                f"n_clusters={cfg.n_clusters or 'max'}")
         try:
             sets[0][3].zero_()
             sets[0][4].zero_()

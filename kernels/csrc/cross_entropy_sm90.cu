@@ -30,9 +30,10 @@
 //   CLUSTER      CTAs per cluster (a row is split CLUSTER ways)
 //   THREADS      threads per CTA
 //   NV           16-byte vectors per thread per row (exp values held: NV * VEC fp32 registers)
+//   NBUF         row slices in shared memory (the current row + NBUF - 1 in flight)
 //   MIN_BLOCKS   __launch_bounds__ minimum CTAs per SM
 //   HAS_SMOOTHING, HAS_Z_LOSS, HAS_SOFTCAP, COMPUTE_GRAD   0 or 1
-// Dynamic shared memory: 2 x ceil(V / VEC / CLUSTER) x 16 bytes (the launcher sets it).
+// Dynamic shared memory: NBUF x ceil(V / VEC / CLUSTER) x 16 bytes (the launcher sets it).
 // No headers: NVRTC compiles it as is (conversions and memory ops are inline PTX).
 
 #if DT == 0
@@ -257,8 +258,8 @@ kprof_ce_sm90(const char* logits,      // [n_rows, n_cols], row stride stride_l 
   (void)grad;
   (void)stride_g;
 
-  // Two row slices of this CTA (dynamic shared memory, 2 x per_cta x 16 bytes): the current row,
-  // and the cluster's next row arriving by bulk copy meanwhile.
+  // NBUF row slices of this CTA (dynamic shared memory, NBUF x per_cta x 16 bytes): the current
+  // row, and the cluster's next NBUF - 1 rows arriving by bulk copy meanwhile.
   extern __shared__ V4 rowbuf[];
   __shared__ float red_m[NWARPS];
   __shared__ float red_s[3][NWARPS];
@@ -266,20 +267,25 @@ kprof_ce_sm90(const char* logits,      // [n_rows, n_cols], row stride stride_l 
   // buffers so the next exchange's stores cannot land on a slot this CTA still reads.
   __shared__ alignas(16) float part[2][CLUSTER][4];
   __shared__ alignas(8) u64 xbar[2];  // xbar[b] completes when part[b] holds all CLUSTER partials
-  __shared__ alignas(8) u64 lbar[2];  // lbar[b] completes when rowbuf slice b has landed
+  __shared__ alignas(8) u64 lbar[NBUF];  // lbar[b] completes when rowbuf slice b has landed
 
   const int step = (int)n_clusters_x();
   int row = (int)cluster_id_x();
   if (tid == 0) {
     mbar_init(&xbar[0], 1);
     mbar_init(&xbar[1], 1);
-    mbar_init(&lbar[0], 1);
-    mbar_init(&lbar[1], 1);
+#pragma unroll
+    for (int b = 0; b < NBUF; ++b) mbar_init(&lbar[b], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   cluster_sync();  // every CTA has started and initialized its mbarriers before the first st.async
-  if (tid == 0 && row < n_rows && slice_bytes > 0)
-    bulk_load(rowbuf, logits + ((long long)row * stride_l + (long long)vbeg * VEC) * ES, slice_bytes, &lbar[0]);
+  if (tid == 0 && slice_bytes > 0) {
+#pragma unroll
+    for (int b = 0; b < NBUF - 1; ++b) {
+      const int r = row + b * step;
+      if (r < n_rows) bulk_load(rowbuf + b * per_cta, logits + ((long long)r * stride_l + (long long)vbeg * VEC) * ES, slice_bytes, &lbar[b]);
+    }
+  }
   long long y = 0;
   float sc = 0.0f;  // the row's gradient scale (loaded a row ahead: a load after the exchange
                     // would put one DRAM round trip per row on the critical path)
@@ -288,25 +294,27 @@ kprof_ce_sm90(const char* logits,      // [n_rows, n_cols], row stride stride_l 
     sc = scale[(long long)row * scale_stride];
   }
   int xchg = 0;  // exchanges so far: buffer xchg & 1, its use count xchg >> 1 gives the parity
-  int k = 0;     // rows so far: slice buffer k & 1, parity (k >> 1) & 1
+  int lb = 0;         // this row's slice buffer (rows cycle through the NBUF buffers)
+  u32 lpar = 0;       // and the parity of that buffer's mbarrier phase for it
 
-  for (; row < n_rows; row += step, ++k) {
-    // ---- the cluster's next row: one bulk copy into the other slice buffer. Its last reader
-    // was the row before this one, whose passes all threads finished before that row's second
-    // __syncthreads (or, for an ignored row, before this row's first).
-    const int nrow = row + step;
+  for (; row < n_rows; row += step) {
+    // ---- the cluster's row NBUF - 1 ahead: one bulk copy into the buffer the previous row used.
+    // All threads finished reading it before that row's second __syncthreads (an ignored row:
+    // before its one __syncthreads), which thread 0 has passed.
+    const int pb = lb == 0 ? NBUF - 1 : lb - 1;
+    const int frow = row + (NBUF - 1) * step;
+    if (tid == 0 && slice_bytes > 0 && frow < n_rows) {
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic reads before async-proxy writes
+      bulk_load(rowbuf + pb * per_cta, logits + ((long long)frow * stride_l + (long long)vbeg * VEC) * ES, slice_bytes, &lbar[pb]);
+    }
+    const int nrow = row + step;  // targets and scales: one row ahead is enough (8 bytes)
     long long y_next = 0;
     float sc_next = 0.0f;
     if (nrow < n_rows) {
-      if (tid == 0 && slice_bytes > 0) {
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic reads before async-proxy writes
-        bulk_load(rowbuf + ((k + 1) & 1) * per_cta,
-                  logits + ((long long)nrow * stride_l + (long long)vbeg * VEC) * ES, slice_bytes, &lbar[(k + 1) & 1]);
-      }
       y_next = target[nrow];
       sc_next = scale[(long long)nrow * scale_stride];
     }
-    const V4* cur = rowbuf + (k & 1) * per_cta;
+    const V4* cur = rowbuf + lb * per_cta;
 #if COMPUTE_GRAD
     char* g_row = grad + (long long)row * stride_g * ES;
 #endif
@@ -321,10 +329,10 @@ kprof_ce_sm90(const char* logits,      // [n_rows, n_cols], row stride stride_l 
         if (v < vend) st_cs(g_row + (long long)v * 16, zero);
       }
 #endif
-      if (slice_bytes > 0) mbar_wait(&lbar[k & 1], (u32)(k >> 1) & 1u);  // the buffer is reused two rows on
+      if (slice_bytes > 0) mbar_wait(&lbar[lb], lpar);  // its buffer is reused NBUF rows on
       __syncthreads();
     } else {
-      if (slice_bytes > 0) mbar_wait(&lbar[k & 1], (u32)(k >> 1) & 1u);
+      if (slice_bytes > 0) mbar_wait(&lbar[lb], lpar);
       // ---- CTA max
       float m = NEG_INF;
 #pragma unroll
@@ -496,6 +504,10 @@ kprof_ce_sm90(const char* logits,      // [n_rows, n_cols], row stride stride_l 
     }
     y = y_next;
     sc = sc_next;
+    if (++lb == NBUF) {
+      lb = 0;
+      lpar ^= 1u;
+    }
   }
   cluster_sync();  // no CTA exits while a partial addressed to it may be in flight
 }
