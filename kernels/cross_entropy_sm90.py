@@ -41,8 +41,8 @@ _MAX_VALUES = 64
 # 05:59, bf16 8192 x 128256, the register-prefetch form): cluster 4 x 512 threads 1.14 ms,
 # 8 x 256 (2 CTAs an SM) 1.22 ms, 8 x 512 1.39 ms, 4 x 1024 1.41 ms, 8 x 1024 1.78 ms.
 _SHAPES = ((4, 512), (8, 512))
-# Row slices per CTA in shared memory: the current row and the next one or two arriving (three
-# when they fit); the H100/H200 opt-in limit is 227 KB a block.
+# Row slices per CTA in shared memory (ClusterConfig.nbuf); the H100/H200 opt-in limit is 227 KB
+# a block.
 _MAX_SMEM = 200 * 1024
 
 
@@ -53,7 +53,10 @@ class ClusterConfig:
     nv: int  # 16-byte vectors per thread per row
     min_blocks: int  # CTAs per SM the launch bounds ask for
     n_clusters: int = 0  # persistent grid in clusters; 0 = as many as fit at once (occupancy query)
-    nbuf: int = 2  # row slices in shared memory: the current row + nbuf - 1 prefetched
+    # Row slices in shared memory: the current row + nbuf - 1 prefetched. Measured on the H200
+    # (2026-11-30 06:12, bf16 8192 x 128256, cluster 4 x 512): nbuf 2 1.107 ms, nbuf 3 1.245 ms
+    # (cluster 8 x 256: 1.154 -> 1.210 ms); why the deeper prefetch is slower is not measured.
+    nbuf: int = 2
 
 
 def backend() -> str:
@@ -80,7 +83,7 @@ def plan(n_rows: int, n_cols: int, itemsize: int, row_strides: tuple[int, ...], 
         per_cta = math.ceil(n_cols // vec / cluster)
         nv = math.ceil(per_cta / threads)
         if nv * vec <= _MAX_VALUES and 2 * per_cta * 16 <= _MAX_SMEM:
-            return ClusterConfig(cluster, threads, nv, 1, nbuf=3 if 3 * per_cta * 16 <= _MAX_SMEM else 2)
+            return ClusterConfig(cluster, threads, nv, 1)
     cl, th = _SHAPES[-1]
     cap = min(cl * th * _MAX_VALUES, cl * (_MAX_SMEM // 32) * vec)
     return f"V = {n_cols} is over the {cap} columns a cluster holds ({itemsize}-byte logits)"
