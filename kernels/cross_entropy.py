@@ -23,6 +23,13 @@ ex2.approx.ftz (kprof.kernels._math). ncu then: 2.39 GB read (the second pass mo
 SM because the rows in flight must fit L2 (CEConfig).
 Rows up to `CEConfig.single_block_max` columns are loaded once and kept in registers.
 
+On Hopper (sm_90+) `_ce_fwd_launch` first tries `cross_entropy_sm90`: a CUDA C++ kernel in which
+the CTAs of a thread-block cluster share each row, so every logit is read from DRAM once (1.107-
+1.115 ms against this kernel's 1.256-1.271 ms in the same H200 runs, 2026-11-30; the issue's case
+fwd+bwd 1.128 ms). This Triton kernel is the fallback and the reference for it: earlier GPUs,
+rows that are not 16-byte aligned, fp32 rows over 131072 columns, the softcap (slower there), or
+no NVRTC. Both compute the same function; tests/kernels/test_cross_entropy_sm90.py checks both.
+
 Semantics match `F.cross_entropy` on fp32 logits: mean over non-ignored targets (all ignored ->
 nan, like torch), label smoothing as torch defines it (eps/V spread over all classes, ignored
 rows excluded), ignored rows get zero gradient. Extras: `z_loss` (PaLM, arXiv:2204.02311 sec. 5:
@@ -878,10 +885,11 @@ SPEC = register(
         replaces="F.cross_entropy(logits.float(), target) and its backward (log_softmax + nll_loss, fp32 upcast)",
         dtypes=_DTYPES,
         limits=(
-            "logits [N, V] with V < 2^31, any N; rows over 16384 columns are streamed in blocks "
-            "(two reads, the second meant to hit L2); no class weights"
+            "logits [N, V] with V < 2^31, any N; rows over 16384 columns: on sm_90+ one read per logit "
+            "(cluster kernel, 16-byte aligned rows, V <= 262144 half / 131072 fp32, no softcap), else "
+            "streamed in blocks (two reads, the second meant to hit L2); no class weights"
         ),
-        deterministic=True,  # no atomics: each row is reduced by one program in a fixed order
+        deterministic=True,  # no atomics: each row is reduced in a fixed order (one program, or one cluster)
         fn=cross_entropy,
         module=CrossEntropyLoss,
         reference=cross_entropy_reference,

@@ -39,7 +39,6 @@ So bf16 accumulation is ~3x less accurate than eager at 16 chunks; fp32 accumula
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +73,10 @@ from kprof.kernels.registry import Cost, KernelSpec, register
 # The default, 512 rows, is the smallest chunk whose grad_W update stays compute-bound (2C FLOPs
 # per 4 B of grad_W traffic >= the ~206 FLOP/B ridge): 22% faster than Liger for 63 MiB more
 # (one more half chunk). chunk_size=256 matches Liger's memory, 2048 torch.compile's speed.
+# Tried 2026-11-30 (session 8) and removed: grad_W's update on a second stream beside grad_h's
+# GEMM (both only read the chunk's dlogits, so no extra memory), to hide the update's DRAM
+# traffic under the compute-bound GEMM. H200, same run (`bench-h200-20261130T0617-ce-lce.log`):
+# fwd+bwd 46.07 ms with the side stream, 45.64 ms without (spread ~1.3 ms): no gain.
 # With an fp32 accumulator the update moves twice the bytes, so twice the rows.
 _GEMM_ROWS_BY_ACC_BYTES = {2: 512, 4: 1024}
 # Never let the chunk buffer take more than this share of the free device memory.
@@ -93,21 +96,6 @@ def chunk_rows(n_rows: int, vocab: int, dtype: torch.dtype, acc_dtype: torch.dty
 # ----------------------------------------------------------------------------------------------
 # Host launcher: the chunk loop (GEMMs through torch/cuBLAS, the CE through kprof's kernel)
 # ----------------------------------------------------------------------------------------------
-
-
-_side_streams: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _side_streams:
-        _side_streams[idx] = torch.cuda.Stream(device=idx)
-    return _side_streams[idx]
-
-
-def _overlap_enabled() -> bool:
-    """KPROF_LCE_OVERLAP=0 runs grad_W's update on the main stream (for measuring the overlap)."""
-    return os.environ.get("KPROF_LCE_OVERLAP", "1") != "0"
 
 
 def _acc_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
@@ -168,14 +156,6 @@ def _lce_launch(
     buf = torch.empty((min(c, n), vocab), dtype=hidden.dtype, device=dev)  # reused by every chunk
     per_row_scale = grad_scale.numel() != 1
     wt = weight.t()
-    # grad_W's update on a second stream, beside grad_h's GEMM: both only read the chunk's
-    # dlogits, so this costs no memory. grad_h's GEMM ([C, V] @ [V, H], K = V) is compute-bound;
-    # grad_W's ([V, C] @ [C, H] into [V, H], K = C) streams all of grad_W once per chunk, 2.1 GB
-    # for a 128256 x 4096 head, memory-bound below C ~ 412. Not with gh_into_hidden (grad_h's
-    # GEMM overwrites the h_c that grad_W's reads) nor off CUDA.
-    side = _side_stream(dev) if (gw is not None and gh is not None and not gh_into_hidden and _overlap_enabled()
-                                 and dev.type == "cuda") else None
-    main = torch.cuda.current_stream(dev) if side is not None else None
     for i, c0 in enumerate(range(0, n, c)):
         c1 = min(c0 + c, n)
         h_c = hidden[c0:c1]
@@ -191,18 +171,12 @@ def _lce_launch(
         )
         # `logits` now holds d loss / d logits for the chunk. grad_W first: it is the last read
         # of h_c, which gh_into_hidden then overwrites.
-        if side is not None:
-            side.wait_stream(main)  # dlogits are written
-            with torch.cuda.stream(side):
-                _acc_mm(gw, logits.t(), h_c, first=i == 0)
-        elif gw is not None:
+        if gw is not None:
             _acc_mm(gw, logits.t(), h_c, first=i == 0)  # [V, C] @ [C, H]
         if gh is not None:
             torch.mm(logits, weight, out=gh[c0:c1])  # [C, V] @ [V, H]
         if gb is not None:
             gb += logits.sum(0, dtype=torch.float32)
-        if side is not None:
-            main.wait_stream(side)  # the next chunk's GEMM overwrites the buffer grad_W reads
     if gw is not None and gw.dtype != weight.dtype:
         gw = gw.to(weight.dtype)
     if gb is not None:

@@ -117,22 +117,6 @@ def _liger_lce():
     return lambda hidden, weight, target: loss(weight, hidden, target)
 
 
-def _lce_one_stream(hidden, weight, target):
-    """kprof's linear + CE with grad_W's update on the main stream (no overlap with grad_h's GEMM).
-    The switch is read when the chunk loop runs, which graph capture does once."""
-    import os
-
-    old = os.environ.get("KPROF_LCE_OVERLAP")
-    os.environ["KPROF_LCE_OVERLAP"] = "0"
-    try:
-        return _lce.linear_cross_entropy(hidden, weight, target)
-    finally:
-        if old is None:
-            del os.environ["KPROF_LCE_OVERLAP"]
-        else:
-            os.environ["KPROF_LCE_OVERLAP"] = old
-
-
 CASES: list[Case] = [
     Case(
         kernel="cross_entropy",
@@ -166,8 +150,7 @@ CASES: list[Case] = [
         # The chunk trades memory for speed (kernels/fused_linear_cross_entropy.py, chunk_rows):
         # 256 rows is Liger's memory, 2048 torch.compile's speed; the default is 512.
         kprof_variants={"chunk=256": functools.partial(_lce.linear_cross_entropy, chunk_size=256),
-                        "chunk=2048": functools.partial(_lce.linear_cross_entropy, chunk_size=2048),
-                        "one stream": _lce_one_stream},
+                        "chunk=2048": functools.partial(_lce.linear_cross_entropy, chunk_size=2048)},
         # What the LM-head patch runs in a training step: grad_hidden written over hidden (the
         # final norm's output, which nothing reads after the loss), so the 512-row chunk fits in
         # the memory Liger's separate grad_hidden takes.
