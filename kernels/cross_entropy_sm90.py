@@ -309,7 +309,17 @@ def try_launch(
             rc = _cuda().cuLaunchKernel(k.func, n_clusters * cfg.cluster, 1, 1, cfg.threads, 1, 1, smem, stream, params, None)
     else:
         rc = _cuda().cuLaunchKernel(k.func, n_clusters * cfg.cluster, 1, 1, cfg.threads, 1, 1, smem, stream, params, None)
-    _cu_check(rc, "cuLaunchKernel (cross_entropy_sm90)")
+    if rc != 0:
+        try:
+            _cu_check(rc, "cuLaunchKernel (cross_entropy_sm90)")
+        except KprofError as e:
+            if mode == "cluster":
+                raise
+            # A refused launch (e.g. clusters not available under this sharing mode) is not sticky:
+            # the Triton kernel runs, now and for this device from here on.
+            _broken[idx] = str(e)
+            warnings.warn(f"kprof cross_entropy: the sm_90 cluster kernel could not launch ({e}); using the Triton kernel", stacklevel=3)
+            return False
     launches["cluster"] += 1
     return True
 
