@@ -222,7 +222,8 @@ def sweep_ce_configs(n: int = _N, v: int = _V, dtype: torch.dtype = torch.bfloat
     return rows
 
 
-def sweep_ce_cluster(n: int = _N, v: int = _V, dtype: torch.dtype = torch.bfloat16, softcap: float = 0.0) -> list[dict]:
+def sweep_ce_cluster(n: int = _N, v: int = _V, dtype: torch.dtype = torch.bfloat16, softcap: float = 0.0,
+                     quick: bool = False) -> list[dict]:
     """Time the sm_90 cluster CE kernel (kprof.kernels.cross_entropy_sm90) over launch shapes at
     one shape, beside the Triton kernel's default config in the same run, after checking each
     against the Triton kernel's output. `python -m benchmarks.cases.loss ce_cluster [ce_cluster_gemma]`.
@@ -247,13 +248,15 @@ def sweep_ce_cluster(n: int = _N, v: int = _V, dtype: torch.dtype = torch.bfloat
         return []
     vec = 16 // logits.element_size()
     configs = [base]
-    for cl, th, mb in ((4, 512, 1), (8, 512, 1), (8, 256, 2), (8, 256, 1), (4, 1024, 1), (8, 1024, 1)):
+    shapes = ((4, 512, 1), (8, 512, 1), (8, 256, 2)) if quick else ((4, 512, 1), (8, 512, 1), (8, 256, 2), (8, 256, 1), (4, 1024, 1), (8, 1024, 1))
+    for cl, th, mb in shapes:
         per_cta = -(-(v // vec) // cl)
         nv = -(-per_cta // th)
-        cfg = sm90.ClusterConfig(cl, th, nv, mb, nbuf=3 if 3 * per_cta * 16 * mb <= 220 * 1024 else 2)
+        cfg = sm90.ClusterConfig(cl, th, nv, mb)
         if nv * vec <= 64 and 2 * per_cta * 16 * mb <= 220 * 1024 and cfg not in configs:
             configs.append(cfg)
-    configs += [dataclasses.replace(base, nbuf=2)] + [dataclasses.replace(base, n_clusters=k) for k in (24, 28)]
+    if not quick:  # three row buffers (measured slower at 06:12), and fewer clusters than fit
+        configs += [dataclasses.replace(base, nbuf=3)] + [dataclasses.replace(base, n_clusters=k) for k in (24, 28)]
     nbytes = _ce._ce_cost(n, v, dtype)["fwd"].bytes
     rows = []
 
@@ -444,6 +447,9 @@ if __name__ == "__main__":
         sweep_ce_cluster()
     if "ce_cluster_gemma" in what:
         sweep_ce_cluster(_GN, _GV, softcap=_CAP)
+    if "ce_cluster_vocabs" in what:  # does auto's choice (the cluster kernel) pay at other vocabularies?
+        for n, v in ((8192, 32000), (8192, 151936), (4096, 256000), (8192, 50304)):
+            sweep_ce_cluster(n, v, quick=True)
     if "lce_parts" in what:
         sweep_lce_parts()
     if "lce" in what:
