@@ -27,8 +27,9 @@ On Hopper (sm_90+) `_ce_fwd_launch` first tries `cross_entropy_sm90`: a CUDA C++
 the CTAs of a thread-block cluster share each row, so every logit is read from DRAM once (1.107-
 1.115 ms against this kernel's 1.256-1.271 ms in the same H200 runs, 2026-11-30; the issue's case
 fwd+bwd 1.128 ms). This Triton kernel is the fallback and the reference for it: earlier GPUs,
-rows that are not 16-byte aligned, fp32 rows over 131072 columns, the softcap (slower there), or
-no NVRTC. Both compute the same function; tests/kernels/test_cross_entropy_sm90.py checks both.
+rows that are not 16-byte aligned, rows over 262144 (fp32: 131072) columns or in the range where
+the cluster shapes are part-filled (bf16 V in (131072, 229376], measured slower at 151936), the
+softcap (slower there), or no NVRTC. Both compute the same function; tests/kernels/test_cross_entropy_sm90.py checks both.
 
 Semantics match `F.cross_entropy` on fp32 logits: mean over non-ignored targets (all ignored ->
 nan, like torch), label smoothing as torch defines it (eps/V spread over all classes, ignored
@@ -889,7 +890,8 @@ SPEC = register(
         dtypes=_DTYPES,
         limits=(
             "logits [N, V] with V < 2^31, any N; rows over 16384 columns: on sm_90+ one read per logit "
-            "(cluster kernel, 16-byte aligned rows, V <= 262144 half / 131072 fp32, no softcap), else "
+            "(cluster kernel, 16-byte aligned rows, V <= 262144 half / 131072 fp32 outside the part-filled "
+            "range, no softcap), else "
             "streamed in blocks (two reads, the second meant to hit L2); no class weights"
         ),
         deterministic=True,  # no atomics: each row is reduced in a fixed order (one program, or one cluster)

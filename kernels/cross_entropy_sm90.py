@@ -34,13 +34,24 @@ _KERNEL_NAME = b"kprof_ce_sm90"
 # Rows up to this many columns take the Triton kernel's single-block path, which already reads
 # every logit once (cross_entropy.CEConfig.single_block_max).
 _MIN_COLS = 16384 + 1
-# Per thread: NV 16-byte vectors of the row, whose exp values stay in fp32 registers from the
-# sums to the gradient (NV * VEC registers: 64 for bf16 at NV = 8, within 512 threads' 128).
-_MAX_VALUES = 64
-# (CTAs per cluster, threads per CTA) in order of preference. Measured on the H200 (2026-11-30
-# 05:59, bf16 8192 x 128256, the register-prefetch form): cluster 4 x 512 threads 1.14 ms,
-# 8 x 256 (2 CTAs an SM) 1.22 ms, 8 x 512 1.39 ms, 4 x 1024 1.41 ms, 8 x 1024 1.78 ms.
-_SHAPES = ((4, 512), (8, 512))
+# Per thread: up to 8 16-byte vectors of the row, whose exp values stay in fp32 registers from
+# the sums to the gradient (64 registers for bf16, within 512 threads' 128; ptxas: 124 registers
+# at 8 vectors, no spills).
+_MAX_NV = 8
+# (CTAs per cluster, threads per CTA, CTAs per SM, fewest vectors a thread) in order of
+# preference. A CTA holds one row slice at a time and meets its cluster once per row, so each
+# shape pays only where a row gives it enough work. Measured on the H200, graph time, bf16, the
+# Triton kernel in the same runs (`sweep-ce-cluster-*-h200-20261130T0605.txt`, `...T0641.txt`):
+#   V = 128256 (8192 rows): 4 x 512, 8 vectors a thread 1.107-1.115 ms; 8 x 256 x 2 CTAs an SM
+#       1.154; 8 x 512 1.405; Triton 1.256-1.271
+#   V = 256000 (4096 rows): 8 x 512, 8 vectors 1.104 ms; Triton 1.382
+#   V = 50304: 8 x 256 x 2, 4 vectors 0.502 ms; 4 x 512 0.617; 8 x 512 0.937; Triton 0.596
+#   V = 32000: 8 x 256 x 2, 2 vectors 0.362 ms; 4 x 512 0.456; Triton 0.363
+#   V = 151936: 8 x 512, 5 vectors 1.568 ms against Triton 1.527: no shape here pays
+# So clusters of 4 x 512 and 8 x 512 only when each thread holds its full 8 vectors (per_cta /
+# threads > 7); otherwise two CTAs of 256 threads an SM (45-62 clusters resident instead of
+# 15-30); a row that fits none of these (bf16 V in (131072, 229376]) goes to Triton.
+_SHAPES = ((4, 512, 1, 7), (8, 256, 2, 0), (8, 512, 1, 7))
 # Row slices per CTA in shared memory (ClusterConfig.nbuf); the H100/H200 opt-in limit is 227 KB
 # a block.
 _MAX_SMEM = 200 * 1024
@@ -79,14 +90,16 @@ def plan(n_rows: int, n_cols: int, itemsize: int, row_strides: tuple[int, ...], 
         return f"rows are not 16-byte aligned (V = {n_cols}, row strides {row_strides}, {itemsize}-byte elements)"
     if n_rows >= 2**31 or any(s >= 2**31 for s in row_strides):
         return "more than 2^31 rows or a row stride past 2^31 elements"
-    for cluster, threads in _SHAPES:
+    for cluster, threads, blocks, min_nv in _SHAPES:
         per_cta = math.ceil(n_cols // vec / cluster)
         nv = math.ceil(per_cta / threads)
-        if nv * vec <= _MAX_VALUES and 2 * per_cta * 16 <= _MAX_SMEM:
-            return ClusterConfig(cluster, threads, nv, 1)
-    cl, th = _SHAPES[-1]
-    cap = min(cl * th * _MAX_VALUES, cl * (_MAX_SMEM // 32) * vec)
-    return f"V = {n_cols} is over the {cap} columns a cluster holds ({itemsize}-byte logits)"
+        if min_nv < nv <= _MAX_NV and 2 * per_cta * 16 * blocks <= _MAX_SMEM:
+            return ClusterConfig(cluster, threads, nv, blocks)
+    big = 8 * 512 * _MAX_NV * vec  # the largest shape, 8 x 512, full
+    if n_cols > big:
+        return f"V = {n_cols} is over the {big} columns a cluster holds ({itemsize}-byte logits)"
+    return (f"V = {n_cols} ({itemsize}-byte logits) leaves the cluster shapes part-filled; measured slower than "
+            "the Triton kernel there (bf16 151936 on the H200: 1.57 vs 1.53 ms)")
 
 
 def smem_bytes(cfg: ClusterConfig, n_cols: int, itemsize: int) -> int:
