@@ -246,8 +246,10 @@ def _load(device: torch.device, defines) -> _Loaded:
 
 
 def _max_clusters(device: torch.device, k: _Loaded, cfg: ClusterConfig, smem: int) -> int:
-    """Clusters resident at once (cuOccupancyMaxActiveClusters): the persistent grid. On the H200
-    it is 30 clusters of 4 (120 of 132 SMs: a cluster lives inside one GPC) and 15 of 8."""
+    """Clusters resident at once (cuOccupancyMaxActiveClusters): the persistent grid. On the H200:
+    30 clusters of 4 x 512 threads and 15 of 8 x 512 (120 of 132 SMs: a cluster lives inside one
+    GPC), 45-62 of 8 x 256 at two CTAs an SM (by shared memory). Fewer than fit measured slower
+    (30 -> 24 clusters of 4: 1.11 -> 1.28-1.30 ms at 8192 x 128256)."""
     n = k.max_clusters.get(smem)
     if n is None:
         lc = _CUlaunchConfig(cfg.cluster * 64, 1, 1, cfg.threads, 1, 1, smem, None, None, 0)
@@ -279,6 +281,10 @@ def try_launch(
     mode = backend()
     if mode == "triton" or not logits.is_cuda:
         return False
+    if mode == "auto" and softcap > 0.0 and config is None:
+        # Measured slower with the softcap (H200, 2026-11-30, Gemma 4096 x 256000: 3.00 ms
+        # against the Triton kernel's 2.48 ms): it recomputes tanh in each pass.
+        return False
     dev = logits.device
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     n_rows, n_cols = logits.shape
@@ -287,10 +293,6 @@ def try_launch(
         n_rows, n_cols, logits.element_size(), (logits.stride(0), g.stride(0)), (logits.data_ptr(), g.data_ptr()),
         torch.cuda.get_device_capability(dev),
     )
-    if mode == "auto" and softcap > 0.0 and config is None:
-        # Measured slower with the softcap (H200, 2026-11-30, Gemma 4096 x 256000: 3.00 ms
-        # against the Triton kernel's 2.48 ms): it recomputes tanh in each pass.
-        return False
     if isinstance(cfg, str) or idx in _broken:
         if mode == "cluster":
             raise KprofError(f"KPROF_CE_BACKEND=cluster, but the cluster kernel cannot run: {cfg if isinstance(cfg, str) else _broken[idx]}")

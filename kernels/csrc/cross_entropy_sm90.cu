@@ -18,9 +18,10 @@
 //
 // Measured on the H200 (2026-11-30 05:59, bf16 8192 x 128256, graph time): a first form kept both
 // row slices in registers (ld.global a row ahead) and took two exps per logit: 1.14 ms at best
-// (cluster 4 x 512 threads) against the Triton kernel's 1.26 ms in the same run; the exps alone
-// (MUFU.EX2, 16 per clock per SM) were ~2 us of its ~4.2 us per row. Holding exp(z - max) for the
-// gradient needs the registers the prefetched row took, hence the row in shared memory.
+// (cluster 4 x 512 threads) against the Triton kernel's 1.26 ms in the same run; counted from
+// MUFU.EX2's 16 per clock per SM (not measured), the exps were ~2 us of its ~4.2 us per row.
+// Holding exp(z - max) for the gradient needs the registers the prefetched row took, hence the
+// row in shared memory: 1.107-1.115 ms (06:05, 06:11), plus the shapes `plan` picks by V.
 //
 // Math and semantics follow kprof.kernels.cross_entropy's Triton kernel line by line (softcap,
 // label smoothing relative to the max, z-loss, grad scale, ignore_index rows -> zero gradient).
@@ -360,7 +361,8 @@ kprof_ce_sm90(const char* logits,      // [n_rows, n_cols], row stride stride_l 
 
       // ---- CTA sums: d = sum exp(z - max), s = sum (z - max), and the target's logit. Without
       // the softcap, exp(z - max) stays in registers for the gradient: one exp per logit instead
-      // of two (MUFU.EX2 runs at 16 per clock per SM; two per logit were ~2 us of a 4.2 us row).
+      // of two (counted, not measured: MUFU.EX2 runs at 16 per clock per SM, so two per logit
+      // are ~2 us of the first form's 4.2 us per row; one exp took 1.14 -> 1.11 ms).
       const int vy = (int)(y / VEC);
       const int ky = (int)(y % VEC);
       float d = 0.0f, s = 0.0f, zy = 0.0f;
