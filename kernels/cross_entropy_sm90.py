@@ -18,6 +18,7 @@ does; `cluster` requires it and raises KprofError where it cannot run (tests, be
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import math
 import os
@@ -123,6 +124,7 @@ def source() -> str:
 # ----------------------------------------------------------------------------------------------
 
 
+@functools.cache
 def _nvrtc_library() -> ctypes.CDLL:
     """libnvrtc: $KPROF_NVRTC, then what PyTorch's CUDA wheel depends on (nvidia-cuda-nvrtc), then
     the system's."""

@@ -162,6 +162,23 @@ CASES: list[Case] = [
 # --- launch-config sweep for the CE kernel (run on the GPU; not part of CASES) ---------------
 
 
+def _ce_sweep_inputs(n: int, v: int, dtype: torch.dtype, softcap: float):
+    """Two input sets (logits, target, grad scale, loss rows, grad) for graph timing, the Triton
+    kernel's default config, and its loss and gradient on the first set (the reference each
+    swept config is checked against)."""
+    dev = torch.device("cuda")
+    sets = []
+    for _ in range(2):
+        logits = (torch.randn(n, v, device=dev) * 2).to(dtype)
+        target = _targets(n, v, "cuda")
+        sets.append((logits, target, 1.0 / (target != -100).sum().float(), torch.empty(n, device=dev), torch.empty_like(logits)))
+    logits, target, scale, _, _ = sets[0]
+    loss_ref, grad_ref = torch.empty(n, device=dev), torch.empty_like(logits)
+    default = _ce.CEConfig.for_problem(n, v, dtype, dev)
+    _ce._ce_fwd_launch(logits, target, grad_ref, loss_ref, scale, -100, 0.0, 0.0, softcap, config=default)
+    return sets, default, loss_ref, grad_ref
+
+
 def sweep_ce_configs(n: int = _N, v: int = _V, dtype: torch.dtype = torch.bfloat16, softcap: float = 0.0,
                      block_bytes=(16384, 32768, 65536), warps=(8, 16, 32), per_sms=(1, 2)) -> list[dict]:
     """Time kprof's fused CE forward (which writes the gradient) over launch configs at one shape,
@@ -179,15 +196,8 @@ def sweep_ce_configs(n: int = _N, v: int = _V, dtype: torch.dtype = torch.bfloat
 
     dev = torch.device("cuda")
     n_sm = torch.cuda.get_device_properties(dev).multi_processor_count
-    sets = []
-    for _ in range(2):
-        logits = (torch.randn(n, v, device=dev) * 2).to(dtype)
-        target = _targets(n, v, "cuda")
-        sets.append((logits, target, 1.0 / (target != -100).sum().float(), torch.empty(n, device=dev), torch.empty_like(logits)))
-    logits, target, scale, _, _ = sets[0]
-    loss_ref, grad_ref = torch.empty(n, device=dev), torch.empty_like(logits)
-    default = _ce.CEConfig.for_problem(n, v, dtype, dev)
-    _ce._ce_fwd_launch(logits, target, grad_ref, loss_ref, scale, -100, 0.0, 0.0, softcap, config=default)
+    sets, default, loss_ref, grad_ref = _ce_sweep_inputs(n, v, dtype, softcap)
+    logits = sets[0][0]
     configs = {default}
     for nbytes_block in block_bytes:
         for w in warps:
@@ -233,15 +243,8 @@ def sweep_ce_cluster(n: int = _N, v: int = _V, dtype: torch.dtype = torch.bfloat
     from kprof.kernels._common import assert_close
 
     dev = torch.device("cuda")
-    sets = []
-    for _ in range(2):
-        logits = (torch.randn(n, v, device=dev) * 2).to(dtype)
-        target = _targets(n, v, "cuda")
-        sets.append((logits, target, 1.0 / (target != -100).sum().float(), torch.empty(n, device=dev), torch.empty_like(logits)))
-    logits, target, scale, _, _ = sets[0]
-    loss_ref, grad_ref = torch.empty(n, device=dev), torch.empty_like(logits)
-    triton_cfg = _ce.CEConfig.for_problem(n, v, dtype, dev)
-    _ce._ce_fwd_launch(logits, target, grad_ref, loss_ref, scale, -100, 0.0, 0.0, softcap, config=triton_cfg)
+    sets, triton_cfg, loss_ref, grad_ref = _ce_sweep_inputs(n, v, dtype, softcap)
+    logits = sets[0][0]
     base = sm90.plan(n, v, logits.element_size(), (v, v), (logits.data_ptr(), 0), torch.cuda.get_device_capability(dev))
     if isinstance(base, str):
         print(f"CE cluster sweep {n} x {v} {dtype}: plan declines: {base}", flush=True)
