@@ -56,6 +56,7 @@ from kprof.kernels.cross_entropy import (
     _scale_and_count,
     cross_entropy_reference,
 )
+from kprof.kernels.matmul_acc import GemmConfig, matmul_acc_
 from kprof.kernels.registry import Cost, KernelSpec, register
 
 # ----------------------------------------------------------------------------------------------
@@ -98,9 +99,16 @@ def chunk_rows(n_rows: int, vocab: int, dtype: torch.dtype, acc_dtype: torch.dty
 # ----------------------------------------------------------------------------------------------
 
 
+# grad_W's update kernel: None = cuBLAS (addmm), else kprof's Triton GEMM with this config
+# (`kprof.kernels.matmul_acc`).
+GW_UPDATE: GemmConfig | None = None
+
+
 def _acc_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
     """acc (+)= a @ b where acc may be fp32 and a, b half precision."""
-    if acc.dtype == a.dtype:
+    if GW_UPDATE is not None and acc.is_cuda:
+        matmul_acc_(acc, a.t(), b, accumulate=not first, config=GW_UPDATE)
+    elif acc.dtype == a.dtype:
         if first:
             torch.mm(a, b, out=acc)
         else:
