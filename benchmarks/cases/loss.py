@@ -387,7 +387,7 @@ def sweep_lce_parts(chunks=(256, 512, 1024, 2048), n: int = _N, h: int = _H, v: 
     return rows
 
 
-def sweep_gw_update(rows: int = 512, n: int = _N, h: int = _H, v: int = _V) -> list[dict]:
+def sweep_gw_update(rows: int = 512, n: int = _N, h: int = _H, v: int = _V, triton_configs: bool = True) -> list[dict]:
     """grad_W's per-chunk update at the issue's shape and Liger's memory (512-row chunks):
     C [V, H] += dlogits [rows, V].T @ h_c [rows, H], bf16, cuBLAS addmm against kprof's Triton
     GEMM (`kernels/matmul_acc.py`) per launch config: each checked against cuBLAS's result, then
@@ -415,6 +415,13 @@ def sweep_gw_update(rows: int = 512, n: int = _N, h: int = _H, v: int = _V) -> l
     print(f"grad_W update {v}x{h} += [{rows}x{v}].T @ [{rows}x{h}] bf16: cuBLAS addmm {base:.3f} ms "
           f"({tflop / base * 1e3:.0f} TFLOP/s)", flush=True)
     out_rows = [{"impl": "cublas", "ms": base}]
+    # The same addmm through cuBLASLt's own heuristic (torch routes its GEMMs there when asked).
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    got = gw0.clone().addmm_(buf.t(), h_c)
+    lt_err = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
+    lt = t(lambda: gw.addmm_(buf.t(), h_c))
+    torch.backends.cuda.preferred_blas_library("cublas")
+    print(f"  cuBLASLt preferred: {lt:.3f} ms ({tflop / lt * 1e3:.0f} TFLOP/s), max err vs cuBLAS {lt_err:.1e}", flush=True)
     # What fits (sm_90 AOT compiles with Triton 3.6, cuobjdump): 128x256 tiles with 3 stages take
     # 213 KB of shared memory (one CTA an SM), 128x128 with 2 stages 98 KB (two an SM); C loaded
     # with plain loads instead of TMA spills (255 registers + stack) except at 128x128 x 8 warps.
@@ -426,7 +433,7 @@ def sweep_gw_update(rows: int = 512, n: int = _N, h: int = _H, v: int = _V) -> l
         tma(128, 128, 64, 8, 8, 2, ctas_per_sm=2), tma(128, 128, 64, 8, 4, 2, ctas_per_sm=2),
         tma(128, 256, 64, 16, 8, 3), tma(128, 256, 64, 8, 8, 3, c_tma=False),
     ]
-    for cfg in configs:
+    for cfg in configs if triton_configs else ():
         got = gw0.clone()
         try:
             matmul_acc_(got, buf, h_c, True, cfg)
@@ -447,13 +454,18 @@ def sweep_gw_update(rows: int = 512, n: int = _N, h: int = _H, v: int = _V) -> l
     inputs = _lce_inputs(dev, torch.bfloat16)
     hidden, weight, target = inputs["hidden"], inputs["weight"], inputs["target"]
     compiled = torch.compile(_eager_lce, dynamic=False)
+    compiled(hidden, weight, target).backward()  # compile outside graph_time_us's no-sync probe
     variants = {"torch.compile": lambda: compiled(hidden, weight, target).backward(),
-                "kprof, cuBLAS update": None}
+                "kprof, cuBLAS update": None, "kprof, all GEMMs via cuBLASLt": "cublaslt"}
     if best is not None:
         variants["kprof, Triton update"] = next(c for c in configs if str(c) == best["impl"])
     for name, cfg in variants.items():
+        torch.backends.cuda.preferred_blas_library("cublaslt" if cfg == "cublaslt" else "cublas")
         if callable(cfg):
             step = cfg
+        elif cfg == "cublaslt":
+            _lce.GW_UPDATE = None
+            step = lambda: _lce.linear_cross_entropy(hidden * 1.0, weight, target, grad_into_hidden=True).backward()  # noqa: E731
         else:
             _lce.GW_UPDATE = cfg
             step = lambda: _lce.linear_cross_entropy(hidden * 1.0, weight, target, grad_into_hidden=True).backward()  # noqa: E731
@@ -461,6 +473,7 @@ def sweep_gw_update(rows: int = 512, n: int = _N, h: int = _H, v: int = _V) -> l
         print(f"linear + CE fwd+bwd, {name}: {us / 1e3:.2f} ms (spread of 3 medians {spread / 1e3:.2f})", flush=True)
         out_rows.append({"impl": f"lce {name}", "ms": us / 1e3, "spread": spread / 1e3})
     _lce.GW_UPDATE = None
+    torch.backends.cuda.preferred_blas_library("cublas")
     return out_rows
 
 
@@ -536,5 +549,7 @@ if __name__ == "__main__":
         sweep_lce_chunks()
     if "gw_update" in what:
         sweep_gw_update()
+    if "gw_blas" in what:  # cuBLAS vs cuBLASLt only, then the whole step
+        sweep_gw_update(triton_configs=False)
     if "lce_profile" in what:
         profile_lce()
