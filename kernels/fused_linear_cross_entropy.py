@@ -56,7 +56,6 @@ from kprof.kernels.cross_entropy import (
     _scale_and_count,
     cross_entropy_reference,
 )
-from kprof.kernels.matmul_acc import GemmConfig, matmul_acc_
 from kprof.kernels.registry import Cost, KernelSpec, register
 
 # ----------------------------------------------------------------------------------------------
@@ -78,6 +77,12 @@ from kprof.kernels.registry import Cost, KernelSpec, register
 # GEMM (both only read the chunk's dlogits, so no extra memory), to hide the update's DRAM
 # traffic under the compute-bound GEMM. H200, same run (`bench-h200-20261130T0617-ce-lce.log`):
 # fwd+bwd 46.07 ms with the side stream, 45.64 ms without (spread ~1.3 ms): no gain.
+# Tried 2026-11-30 (session 9) and removed: the update as a Triton GEMM (C tile loaded before the
+# K loop; pointer or TMA loads; persistent, 1-2 CTAs an SM), to hide the C traffic that cuBLAS's
+# 0.91 ms (594 TFLOP/s) a 512-row chunk pays. Its best of 11 configs took 1.25 ms (430 TFLOP/s,
+# 0.73x cuBLAS; `sweep-gw-update-h200-20261130T0708.txt`), so beating cuBLAS here needs a
+# hand-written wgmma kernel, not Triton 3.6. cuBLASLt's heuristic (preferred_blas_library) picks
+# no better: 0.94 ms, and 44.4 vs 43.1 ms for the whole step (`sweep-gw-blas-...T0711.txt`).
 # With an fp32 accumulator the update moves twice the bytes, so twice the rows.
 _GEMM_ROWS_BY_ACC_BYTES = {2: 512, 4: 1024}
 # Never let the chunk buffer take more than this share of the free device memory.
@@ -99,16 +104,9 @@ def chunk_rows(n_rows: int, vocab: int, dtype: torch.dtype, acc_dtype: torch.dty
 # ----------------------------------------------------------------------------------------------
 
 
-# grad_W's update kernel: None = cuBLAS (addmm), else kprof's Triton GEMM with this config
-# (`kprof.kernels.matmul_acc`).
-GW_UPDATE: GemmConfig | None = None
-
-
 def _acc_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
     """acc (+)= a @ b where acc may be fp32 and a, b half precision."""
-    if GW_UPDATE is not None and acc.is_cuda:
-        matmul_acc_(acc, a.t(), b, accumulate=not first, config=GW_UPDATE)
-    elif acc.dtype == a.dtype:
+    if acc.dtype == a.dtype:
         if first:
             torch.mm(a, b, out=acc)
         else:

@@ -387,96 +387,6 @@ def sweep_lce_parts(chunks=(256, 512, 1024, 2048), n: int = _N, h: int = _H, v: 
     return rows
 
 
-def sweep_gw_update(rows: int = 512, n: int = _N, h: int = _H, v: int = _V, triton_configs: bool = True) -> list[dict]:
-    """grad_W's per-chunk update at the issue's shape and Liger's memory (512-row chunks):
-    C [V, H] += dlogits [rows, V].T @ h_c [rows, H], bf16, cuBLAS addmm against kprof's Triton
-    GEMM (`kernels/matmul_acc.py`) per launch config: each checked against cuBLAS's result, then
-    timed (do_bench median). Then the whole linear + CE fwd+bwd (512-row chunks, grad written
-    into hidden, as the LM-head patch runs) in a CUDA graph with cuBLAS's update and with the
-    fastest config, beside torch.compile, in the same process."""
-    import triton.testing
-
-    from benchmarks.bench_kernels import graph_time_us
-    from kprof.kernels.matmul_acc import GemmConfig, matmul_acc_
-
-    dev = "cuda"
-    torch.manual_seed(0)
-    buf = (torch.randn(rows, v, device=dev) * 1e-4).to(torch.bfloat16)  # dlogits ~ 1 / N
-    h_c = torch.randn(rows, h, device=dev).to(torch.bfloat16)
-    gw0 = (torch.randn(v, h, device=dev) * 1e-3).to(torch.bfloat16)
-    ref = gw0.clone().addmm_(buf.t(), h_c)
-    gw = gw0.clone()
-    tflop = 2 * rows * v * h / 1e12
-
-    def t(fn):
-        return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
-
-    base = t(lambda: gw.addmm_(buf.t(), h_c))
-    print(f"grad_W update {v}x{h} += [{rows}x{v}].T @ [{rows}x{h}] bf16: cuBLAS addmm {base:.3f} ms "
-          f"({tflop / base * 1e3:.0f} TFLOP/s)", flush=True)
-    out_rows = [{"impl": "cublas", "ms": base}]
-    # The same addmm through cuBLASLt's own heuristic (torch routes its GEMMs there when asked).
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    got = gw0.clone().addmm_(buf.t(), h_c)
-    lt_err = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
-    lt = t(lambda: gw.addmm_(buf.t(), h_c))
-    torch.backends.cuda.preferred_blas_library("cublas")
-    print(f"  cuBLASLt preferred: {lt:.3f} ms ({tflop / lt * 1e3:.0f} TFLOP/s), max err vs cuBLAS {lt_err:.1e}", flush=True)
-    # What fits (sm_90 AOT compiles with Triton 3.6, cuobjdump): 128x256 tiles with 3 stages take
-    # 213 KB of shared memory (one CTA an SM), 128x128 with 2 stages 98 KB (two an SM); C loaded
-    # with plain loads instead of TMA spills (255 registers + stack) except at 128x128 x 8 warps.
-    tma = functools.partial(GemmConfig, tma=True)
-    configs = [
-        GemmConfig(128, 128, 64, 8, 8, 4),
-        tma(128, 256, 64, 8, 8, 3), tma(128, 256, 64, 8, 8, 2), tma(128, 256, 64, 8, 8, 2, flatten=True),
-        tma(256, 128, 64, 8, 8, 3), tma(128, 128, 64, 8, 8, 4), tma(128, 128, 64, 8, 8, 3, flatten=True),
-        tma(128, 128, 64, 8, 8, 2, ctas_per_sm=2), tma(128, 128, 64, 8, 4, 2, ctas_per_sm=2),
-        tma(128, 256, 64, 16, 8, 3), tma(128, 256, 64, 8, 8, 3, c_tma=False),
-    ]
-    for cfg in configs if triton_configs else ():
-        got = gw0.clone()
-        try:
-            matmul_acc_(got, buf, h_c, True, cfg)
-            torch.cuda.synchronize()
-        except Exception as e:  # a config that does not compile (shared memory, registers) is skipped
-            print(f"  {cfg}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)
-            continue
-        err = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
-        ms = t(lambda cfg=cfg: matmul_acc_(gw, buf, h_c, True, cfg))
-        print(f"  {cfg}: {ms:.3f} ms ({tflop / ms * 1e3:.0f} TFLOP/s, {base / ms:.2f}x cuBLAS), "
-              f"max err vs cuBLAS {err:.1e}", flush=True)
-        out_rows.append({"impl": str(cfg), "ms": ms, "err": err})
-    ok = [r for r in out_rows[1:] if r["err"] < 1e-2]
-    best = min(ok, key=lambda r: r["ms"]) if ok else None
-    del gw, gw0, ref, buf, h_c
-    torch.cuda.empty_cache()
-
-    inputs = _lce_inputs(dev, torch.bfloat16)
-    hidden, weight, target = inputs["hidden"], inputs["weight"], inputs["target"]
-    compiled = torch.compile(_eager_lce, dynamic=False)
-    compiled(hidden, weight, target).backward()  # compile outside graph_time_us's no-sync probe
-    variants = {"torch.compile": lambda: compiled(hidden, weight, target).backward(),
-                "kprof, cuBLAS update": None, "kprof, all GEMMs via cuBLASLt": "cublaslt"}
-    if best is not None:
-        variants["kprof, Triton update"] = next(c for c in configs if str(c) == best["impl"])
-    for name, cfg in variants.items():
-        torch.backends.cuda.preferred_blas_library("cublaslt" if cfg == "cublaslt" else "cublas")
-        if callable(cfg):
-            step = cfg
-        elif cfg == "cublaslt":
-            _lce.GW_UPDATE = None
-            step = lambda: _lce.linear_cross_entropy(hidden * 1.0, weight, target, grad_into_hidden=True).backward()  # noqa: E731
-        else:
-            _lce.GW_UPDATE = cfg
-            step = lambda: _lce.linear_cross_entropy(hidden * 1.0, weight, target, grad_into_hidden=True).backward()  # noqa: E731
-        us, spread = graph_time_us([step], [hidden, weight], calls=2)
-        print(f"linear + CE fwd+bwd, {name}: {us / 1e3:.2f} ms (spread of 3 medians {spread / 1e3:.2f})", flush=True)
-        out_rows.append({"impl": f"lce {name}", "ms": us / 1e3, "spread": spread / 1e3})
-    _lce.GW_UPDATE = None
-    torch.backends.cuda.preferred_blas_library("cublas")
-    return out_rows
-
-
 def profile_lce(chunks=(512, 2048), n: int = _N, h: int = _H, v: int = _V) -> None:
     """Kernel time by kernel name and GPU idle time inside one linear + CE fwd+bwd per chunk size
     (torch.profiler, after warm-up), against its wall time: what the per-part sweep misses."""
@@ -547,9 +457,5 @@ if __name__ == "__main__":
         sweep_lce_parts()
     if "lce" in what:
         sweep_lce_chunks()
-    if "gw_update" in what:
-        sweep_gw_update()
-    if "gw_blas" in what:  # cuBLAS vs cuBLASLt only, then the whole step
-        sweep_gw_update(triton_configs=False)
     if "lce_profile" in what:
         profile_lce()
