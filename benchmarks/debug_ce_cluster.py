@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kprof.kernels import cross_entropy_sm90 as sm90  # noqa: E402
-from kprof.kernels._common import tol  # noqa: E402
+from kprof.kernels.common import tol  # noqa: E402
 
 _ce = importlib.import_module("kprof.kernels.cross_entropy")
 

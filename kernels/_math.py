@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kprof.kernels._common import interpreter_enabled
+from kprof.kernels.common import interpreter_enabled
 
 LOG2E = tl.constexpr(1.4426950408889634)
 

@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from kprof.errors import KprofError
-from kprof.kernels._common import FP_FUSION, use_triton, via_custom_op, warn_fallback
+from kprof.kernels.common import FP_FUSION, use_triton, via_custom_op, warn_fallback
 from kprof.kernels._math import fast_math
 from kprof.kernels.glu import (
     _GELU_ACT,

@@ -50,7 +50,7 @@ import triton.language as tl
 
 from kprof.errors import KprofError
 from kprof.kernels import cross_entropy_sm90 as _sm90
-from kprof.kernels._common import FP_FUSION, use_triton, via_custom_op, warn_fallback
+from kprof.kernels.common import FP_FUSION, use_triton, via_custom_op, warn_fallback
 from kprof.kernels._math import exp_fast, fast_math
 from kprof.kernels.registry import Cost, KernelSpec, register
 

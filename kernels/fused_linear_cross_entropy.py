@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from kprof.errors import KprofError
-from kprof.kernels._common import use_triton, via_custom_op, warn_fallback
+from kprof.kernels.common import use_triton, via_custom_op, warn_fallback
 from kprof.kernels.cross_entropy import (
     _DTYPES,
     _FWD_FLOPS_PER_LOGIT,

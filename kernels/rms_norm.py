@@ -52,7 +52,7 @@ import triton.language as tl
 from torch import nn
 
 from kprof.errors import KprofError
-from kprof.kernels._common import FP_FUSION, interpreter_enabled, use_triton, via_custom_op, warn_fallback
+from kprof.kernels.common import FP_FUSION, interpreter_enabled, use_triton, via_custom_op, warn_fallback
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)

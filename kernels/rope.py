@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from kprof.errors import KprofError
-from kprof.kernels._common import FP_FUSION, use_triton, via_custom_op, warn_fallback
+from kprof.kernels.common import FP_FUSION, use_triton, via_custom_op, warn_fallback
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

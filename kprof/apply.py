@@ -199,7 +199,7 @@ def compare_losses(before, after, reports, n: int = 5) -> tuple[pd.DataFrame, bo
     the same weights (for a seeded script) and must agree within the verification tolerance of the
     patched code's dtype; later ones drift apart as the updates differ by rounding and are shown
     with their relative difference only."""
-    from kprof.kernels._common import TOLERANCE
+    from kprof.kernels.common import TOLERANCE
 
     lb, la = before.summary.get("losses") or [], after.summary.get("losses") or []
     k = min(n, len(lb), len(la))

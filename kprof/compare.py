@@ -338,7 +338,7 @@ def compare(
         res.notes.append("CPU run: step times are CPU wall times and peak memory is the process's peak RSS, not a "
                          "GPU's; profile on the GPU for the GPU answer")
         if any(r.patches for r in res.variants):
-            from kprof.kernels._common import interpreter_enabled
+            from kprof.kernels.common import interpreter_enabled
 
             res.notes.append("on a CPU kprof's Triton kernels run in the Triton interpreter (TRITON_INTERPRET=1), "
                              "orders of magnitude slower than compiled kernels: the kprof rows check correctness "
@@ -485,7 +485,7 @@ def _finish(res: CompareResult) -> None:
     """Speed-ups, loss agreement and the verdict from the rows so far."""
     import torch
 
-    from kprof.kernels._common import TOLERANCE
+    from kprof.kernels.common import TOLERANCE
     from kprof.verify import _COARSENESS
 
     eager = res.row("eager")

@@ -230,7 +230,7 @@ def patch(
     on_verified: Callable[[PatchRecord], None] | None = None,
 ) -> PatchReport:
     """Match `rules` on `model` and install the patches (see the module docstring)."""
-    from kprof.kernels._common import interpreter_enabled
+    from kprof.kernels.common import interpreter_enabled
     from kprof.rules.engine import find_matches, kernel_spec
 
     if not isinstance(model, nn.Module):

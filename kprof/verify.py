@@ -42,7 +42,7 @@ the fp32 run raises or runs out of memory, or eager's own error against it excee
 mask, and is no truth). The reason is recorded in `Verification.note`.
 
 fp32 / fp64 units (and the fallback): the two sides against each other with the per-dtype
-tolerance of `kprof.kernels._common.TOLERANCE`: forward outputs elementwise
+tolerance of `kprof.kernels.common.TOLERANCE`: forward outputs elementwise
 (|a - b| <= atol + rtol * |b|, the contract every kernel is tested to against its reference);
 gradients of the floating inputs that require grad and of the unit's parameters by relative norm
 error <= rtol (not elementwise: a parameter gradient is a sum over all rows and the two sides sum
@@ -61,7 +61,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from kprof.kernels._common import TOLERANCE, Tol
+from kprof.kernels.common import TOLERANCE, Tol
 
 # Precision order: larger = less precise (used to pick the tolerance dtype).
 _COARSENESS = {torch.float64: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}

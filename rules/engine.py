@@ -261,7 +261,7 @@ def behaves_like(fn_a: Callable[[], Any], fn_b: Callable[[], Any], dtype: torch.
     keeps the check meaningful when the outputs are small against the table's atol (a bf16 MLP at
     HF's init, std 0.02, outputs ~1e-3: under atol 1e-2 alone a SiLU MLP passed for Gemma's
     GELU-tanh one). Exceptions mean "not this pattern"."""
-    from kprof.kernels._common import TOLERANCE
+    from kprof.kernels.common import TOLERANCE
 
     tol = TOLERANCE.get(dtype, TOLERANCE[torch.float32])
     try:

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from kprof.patch import patch as kprof_patch
 from kprof.errors import KprofError
-from kprof.kernels._common import TOLERANCE
+from kprof.kernels.common import TOLERANCE
 from kprof.rules.engine import kernel_fn
 from kprof.verify import _rel_norm, verify_call
 
@@ -356,7 +356,7 @@ def test_rms_norm_is_matched_by_behaviour_not_name():
 
 
 def test_cpu_without_interpreter_falls_back_to_reference_and_says_so(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # kernels check at call time (kprof.kernels._common)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # kernels check at call time (kprof.kernels.common)
     model = nn.Sequential(nn.LayerNorm(16))
     report = kprof_patch(model, rules=["layer_norm"])
     assert "runs its PyTorch reference" in report.records[0].note
@@ -385,7 +385,7 @@ def test_patch_bf16_on_gpu(name):
     assert all(r.verification.method == "fp32 truth" for r in report.records), str(report)
     # First loss: same weights, so within the bf16 row of the tolerance table. Later losses drift
     # apart by bf16 rounding of different (both correct) updates; they are checked for sanity only.
-    t = __import__("kprof.kernels._common", fromlist=["TOLERANCE"]).TOLERANCE[torch.bfloat16]
+    t = __import__("kprof.kernels.common", fromlist=["TOLERANCE"]).TOLERANCE[torch.bfloat16]
     assert abs(losses[0] - ref_losses[0]) <= t.atol + t.rtol * abs(ref_losses[0]), (losses, ref_losses)
     assert losses[-1] < losses[0]
     report.unpatch()

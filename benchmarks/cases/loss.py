@@ -192,7 +192,7 @@ def sweep_ce_configs(n: int = _N, v: int = _V, dtype: torch.dtype = torch.bfloat
     4-warp and 8 KB configs were never within 15% of the best, so the grid is the middle.
     """
     from benchmarks.bench_kernels import graph_time_us
-    from kprof.kernels._common import assert_close
+    from kprof.kernels.common import assert_close
 
     dev = torch.device("cuda")
     n_sm = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -240,7 +240,7 @@ def sweep_ce_cluster(n: int = _N, v: int = _V, dtype: torch.dtype = torch.bfloat
     Timing as `sweep_ce_configs` (graph time, two launches back to back on two input sets)."""
     from benchmarks.bench_kernels import graph_time_us
     from kprof.kernels import cross_entropy_sm90 as sm90
-    from kprof.kernels._common import assert_close
+    from kprof.kernels.common import assert_close
 
     dev = torch.device("cuda")
     sets, triton_cfg, loss_ref, grad_ref = _ce_sweep_inputs(n, v, dtype, softcap)

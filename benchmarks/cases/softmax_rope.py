@@ -172,7 +172,7 @@ def sweep_rope_configs(dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     import triton
     import triton.testing
 
-    from kprof.kernels._common import assert_close  # the per-dtype table: warps change sum order
+    from kprof.kernels.common import assert_close  # the per-dtype table: warps change sum order
 
     rows = []
     for label, make in (("llama 32+32", _rope_inputs), ("gqa 32+8 views", _rope_gqa_view_inputs)):
@@ -228,7 +228,7 @@ def sweep_softmax_configs(dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     import triton
     import triton.testing
 
-    from kprof.kernels._common import assert_close  # the per-dtype table: warps change sum order
+    from kprof.kernels.common import assert_close  # the per-dtype table: warps change sum order
 
     rows_out = []
     for label, make in (("plain 16384x8192", _softmax_inputs), ("masked causal 4x32x1024^2", _masked_inputs)):

@@ -2,7 +2,7 @@
 empty tensors, the two-level dbias reduction, torch.compile, determinism, errors, costs.
 
 The reference runs on inputs upcast to fp32 (fp64 for fp32 inputs) and is cast back; tolerances
-come from the one table in kprof.kernels._common.
+come from the one table in kprof.kernels.common.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kprof.errors import KprofError
-from kprof.kernels import _common, bias_gelu as bg, registry
-from kprof.kernels._common import assert_close
+from kprof.kernels import common, bias_gelu as bg, registry
+from kprof.kernels.common import assert_close
 from kprof.kernels.glu import StreamConfig
 from kprof.kernels.registry import Cost, TensorMeta
 

@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kprof.errors import KprofError
-from kprof.kernels import _common, registry
-from kprof.kernels._common import assert_close
+from kprof.kernels import common, registry
+from kprof.kernels.common import assert_close
 from kprof.kernels.cross_entropy import CrossEntropyLoss, cross_entropy, cross_entropy_reference
 from kprof.kernels.registry import TensorMeta
 

@@ -18,7 +18,7 @@ from test_cross_entropy import OPTIONS, _check, _inputs, _run
 
 from kprof.errors import KprofError
 from kprof.kernels import cross_entropy_sm90 as sm90
-from kprof.kernels._common import assert_close
+from kprof.kernels.common import assert_close
 from kprof.kernels.cross_entropy import cross_entropy
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -36,6 +36,6 @@ def test_the_library_launches_kernels_at_all():
 
 
 def test_fp_fusion_is_a_launch_option():
-    from kprof.kernels._common import FP_FUSION
+    from kprof.kernels.common import FP_FUSION
 
     assert FP_FUSION == {"enable_fp_fusion": True}

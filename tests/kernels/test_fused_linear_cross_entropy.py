@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kprof.errors import KprofError
 from kprof.kernels import registry
-from kprof.kernels._common import assert_close, tol
+from kprof.kernels.common import assert_close, tol
 from kprof.kernels.fused_linear_cross_entropy import (
     LinearCrossEntropyLoss,
     chunk_rows,

@@ -2,7 +2,7 @@
 gu), dtypes, odd and non-contiguous shapes, empty tensors, torch.compile, determinism, errors.
 
 The reference runs on inputs upcast to fp32 (fp64 for fp32 inputs) and is cast back; tolerances
-come from the one table in kprof.kernels._common. In CPU mode the kernels run in the Triton
+come from the one table in kprof.kernels.common. In CPU mode the kernels run in the Triton
 interpreter, so the big shapes are GPU-only and 37x781 stands in for 1823x781.
 
 Measured: the Triton 3.9 interpreter TRUNCATES fp32 -> bf16 casts (100% of 64K values matched
@@ -25,9 +25,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kprof.errors import KprofError
-from kprof.kernels import _common, glu, registry
+from kprof.kernels import common, glu, registry
 from kprof.kernels._math import exp2_fast, rcp_fast, to_f32_fast
-from kprof.kernels._common import assert_close
+from kprof.kernels.common import assert_close
 from kprof.kernels.registry import Cost, TensorMeta
 
 HAS_CUDA = torch.cuda.is_available()

@@ -16,7 +16,7 @@ from kprof.errors import KprofError
 from kprof.kernels import registry
 from kprof.kernels import layer_norm as layer_norm_module
 from kprof.kernels import rms_norm as rms_norm_module  # owns the shared RowConfig limits
-from kprof.kernels._common import assert_close
+from kprof.kernels.common import assert_close
 from kprof.kernels.layer_norm import SPEC, LayerNorm, layer_norm, layer_norm_reference
 from kprof.kernels.rms_norm import MAX_FUSED_N
 
@@ -382,7 +382,7 @@ def test_module_rejects_multi_dim_shapes(device):
 
 def test_fallback_without_triton(monkeypatch):
     """CPU without the interpreter: warns once and runs the reference (with autograd)."""
-    from kprof.kernels import _common
+    from kprof.kernels import common
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(_common, "_warned", set())

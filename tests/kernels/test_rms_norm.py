@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kprof.errors import KprofError
 from kprof.kernels import registry
-from kprof.kernels._common import assert_close
+from kprof.kernels.common import assert_close
 from kprof.kernels import rms_norm as rms_norm_module
 from kprof.kernels.rms_norm import (
     ADD_SPEC,
@@ -379,7 +379,7 @@ def test_module(device):
 
 def test_fallback_without_triton(monkeypatch):
     """CPU without the interpreter: warns once and runs the reference (with autograd)."""
-    from kprof.kernels import _common
+    from kprof.kernels import common
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(_common, "_warned", set())

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kprof.errors import KprofError
 from kprof.kernels import registry
-from kprof.kernels._common import assert_close
+from kprof.kernels.common import assert_close
 from kprof.kernels.rope import SPEC, apply_rope, apply_rope_reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -227,7 +227,7 @@ def test_torch_compile_no_graph_break(device):
 
 
 def test_fallback_without_triton(monkeypatch):
-    from kprof.kernels import _common
+    from kprof.kernels import common
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(_common, "_warned", set())

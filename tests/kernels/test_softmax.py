@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kprof.errors import KprofError
 from kprof.kernels import registry
-from kprof.kernels._common import assert_close
+from kprof.kernels.common import assert_close
 from kprof.kernels.softmax import MAX_FUSED_COLS, SPEC, Softmax, softmax, softmax_reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -263,7 +263,7 @@ def test_module(device):
 
 def test_fallback_without_triton(monkeypatch):
     """CPU without the interpreter: warns once and runs the reference."""
-    from kprof.kernels import _common
+    from kprof.kernels import common as _common
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(_common, "_warned", set())
