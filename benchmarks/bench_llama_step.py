@@ -9,6 +9,13 @@ Step time: CUDA events at each step boundary, median over the steps after `--war
 steps hold compilation, autotuning and, for kprof, the first-call verification). Peak memory:
 torch.cuda.max_memory_allocated over the timed steps, after a reset at the end of warm-up.
 Rows are appended to the CSV with GPU, versions and date.
+
+Reproduces: the 1B Llama step of the top README's Status table (2026-11-30 06:38: kprof 73.1 ms vs
+Liger 80.6 ms, both 11.03 GiB; earlier runs in docs/results.md), the rows of
+benchmarks/results/llama_step.csv and benchmarks/results/llama-step-h200-20261130T0638.log:
+    python benchmarks/bench_llama_step.py --variants kprof,liger          (H200, ~3 min)
+and, with `--variants eager,kprof,liger --memory-peak`, the memory-peak-1b-*.json files
+(benchmarks/memory_peak.py). `bash benchmarks/gpu_run.sh step` runs the first.
 """
 
 from __future__ import annotations

@@ -5,6 +5,11 @@
 For each benchmark case and implementation: do_bench median of fwd+bwd, the summed GPU kernel
 time per iteration from torch.profiler (each kernel by name), and the host time per iteration.
 If do_bench >> kernel time, the gap is host overhead or a sync, not the kernels.
+
+Reproduces: benchmarks/results/diagnose-h200-20261129T1941.txt, the top README's "Host-bound wall
+times" (a Triton launch through JITFunction.run costs 50-100 us of host time on the H200 machine,
+autograd's run_backward 60-180 us; do_bench fwd+bwd of the norms and RoPE is 2-4x their GPU time):
+    python benchmarks/diagnose.py --cprofile                (H200; `bash benchmarks/gpu_run.sh diagnose`)
 """
 
 from __future__ import annotations

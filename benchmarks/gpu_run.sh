@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # One full GPU session on the lent H200, in as few calls as possible (the device budget is 30 min):
-#   bash benchmarks/gpu_run.sh [stages]      stages: comma list of env,tests,bench,calibrate,profile,suggest,apply,step,
-#                                            diagnose (host vs GPU time per kernel; DIAG_ONLY=rms_norm,...), sweep (CE/LCE configs),
-#                                            normsweep (norm launch configs), glusweep (bias+GELU backward configs), ncu (Nsight Compute on the kernels that miss), debug (benchmarks/debug_*.py)
+#   bash benchmarks/gpu_run.sh [stages]      stages: comma list of env,tests,gputests,bench,calibrate,profile,suggest,apply,step,
+#                                            compare_llama,compare_gpt, diagnose (host vs GPU time per kernel; DIAG_ONLY=rms_norm,...),
+#                                            sweep (CE/LCE configs), normsweep (norm launch configs), glusweep (bias+GELU configs)
+# Reproduces the files indexed in benchmarks/results/README.md: env -> env-h200-*.txt; tests ->
+# pytest-h200-*-full.log.gz and *-gpu_large.log; bench -> bench-h200-*.log and rows of kernels.csv
+# (the kernel table of the top README); step -> llama-step-h200-*.log and rows of llama_step.csv
+# (the 1B Llama step, kprof vs Liger); calibrate, profile, suggest, apply, compare_* -> the
+# calibration, profile, plan, apply and compare files; diagnose, sweep, normsweep, glusweep -> the
+# diagnose-, sweep-, normsweep- and glusweep- files.
 # Everything lands under $OUT (logs, kernels.csv, calibration, profile summaries); the lead commits
 # what matters to benchmarks/results/. Carry .whl (Liger Kernel wheel) with the call.
 set -uo pipefail
@@ -10,6 +16,21 @@ OUT=${OUT:-/tmp/kprof-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 KPROF_CACHE_DIR="$OUT/cache"
 STAGES=${1:-env,tests,bench,calibrate,profile}
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
+# run_group LOG LINES CMD...: run CMD in a session (and process group) of its own, its output to
+# LOG, then print LOG's last LINES lines. pytest-xdist's workers (execnet) can outlive a main
+# process that `timeout` stopped (2026-11-29), so whatever is left of that group is then killed by
+# its id: only processes this script started, never a match on names. The background job is not a
+# group leader, so setsid makes it one without forking: $! is the new group's id.
+run_group() {
+  local log=$1 lines=$2 pid rc
+  shift 2
+  setsid "$@" >"$log" 2>&1 &
+  pid=$!
+  wait "$pid"; rc=$?
+  kill -KILL -- "-$pid" 2>/dev/null
+  tail -n "$lines" "$log"
+  return "$rc"
+}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
@@ -23,15 +44,16 @@ if has tests; then
   # its name as it lands, so a run cut by its time limit still says what failed.
   # The 1B-model tests (marker gpu_large, ~25 GB each) run after the rest, one at a time: with 8
   # workers sharing the GPU they ran out of memory (2026-11-29 23:35, other workers held ~130 GB).
-  timeout ${TEST_TIMEOUT:-280} python3 -m pytest -v -rfE -n 8 -m "not gpu_large" -p no:cacheprovider --junitxml="$OUT/junit.xml" tests 2>&1 | tee "$OUT/pytest.log" | tail -40
-  pkill -f "sys[.]stdin[.]readline" 2>/dev/null; sleep 1  # xdist (execnet) workers may outlive a timed-out main process; match them only: "pytest" also matched the caller's command line (2026-11-29)
-  timeout ${LARGE_TEST_TIMEOUT:-200} python3 -m pytest -v -rfE -m gpu_large -p no:cacheprovider --junitxml="$OUT/junit-large.xml" tests 2>&1 | tee "$OUT/pytest-large.log" | tail -20
+  run_group "$OUT/pytest.log" 40 timeout ${TEST_TIMEOUT:-280} python3 -m pytest -v -rfE -n 8 -m "not gpu_large" \
+    -p no:cacheprovider --junitxml="$OUT/junit.xml" tests
+  run_group "$OUT/pytest-large.log" 20 timeout ${LARGE_TEST_TIMEOUT:-200} python3 -m pytest -v -rfE -m gpu_large \
+    -p no:cacheprovider --junitxml="$OUT/junit-large.xml" tests
 fi
 if has gputests; then
   # The tests of GPU_TESTS (default: all) marked TEST_MARK (default gpu; TEST_MARK= for all of them).
   MARK=${TEST_MARK-gpu}
-  timeout ${TEST_TIMEOUT:-280} python3 -m pytest -v -rfE -n ${TEST_WORKERS:-4} ${MARK:+-m "$MARK"} -p no:cacheprovider --junitxml="$OUT/junit-gpu.xml" ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/pytest-gpu.log" | tail -30
-  pkill -f "sys[.]stdin[.]readline" 2>/dev/null; sleep 1
+  run_group "$OUT/pytest-gpu.log" 30 timeout ${TEST_TIMEOUT:-280} python3 -m pytest -v -rfE -n ${TEST_WORKERS:-4} \
+    ${MARK:+-m "$MARK"} -p no:cacheprovider --junitxml="$OUT/junit-gpu.xml" ${GPU_TESTS:-tests}
 fi
 if has bench; then
   timeout ${BENCH_TIMEOUT:-540} python3 benchmarks/bench_kernels.py --csv "$OUT/kernels.csv" ${BENCH_ONLY:+--only $BENCH_ONLY} 2>&1 | tee "$OUT/bench.log" | tail -60
@@ -47,15 +69,6 @@ if has glusweep; then
 fi
 if has normsweep; then
   timeout ${NORMSWEEP_TIMEOUT:-150} python3 -m benchmarks.cases.norms ${NORMSWEEP_ARGS:-} 2>&1 | tee "$OUT/normsweep.log" | tail -20
-fi
-if has ncu; then
-  timeout ${NCU_TIMEOUT:-120} ncu --kernel-name regex:"${NCU_KERNELS:-_ce_fwd|_rms_norm_bwd|_layer_norm_(fwd|bwd)|_bias_gelu_bwd}" \
-    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --metrics dram__bytes_read.sum,dram__bytes_write.sum python3 benchmarks/ncu_kernels.py >"$OUT/ncu.log" 2>&1
-  grep -E "_kernel|dram__bytes|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|DRAM Throughput|Block Size|Grid Size" "$OUT/ncu.log" | head -120
-fi
-if has debug; then
-  for f in benchmarks/${DEBUG_GLOB:-debug_*.py}; do [ -f "$f" ] && timeout ${DEBUG_TIMEOUT:-120} python3 "$f" 2>&1 | tee -a "$OUT/debug.log" | tail -40; done
 fi
 if has calibrate; then
   timeout 90 kprof calibrate 2>&1 | tee "$OUT/calibrate.log" | tail -20

@@ -9,6 +9,11 @@ not located. The allocator's own event trace answers that: record one training s
 peak, and group the blocks alive then by the first frame of the allocating stack that is not
 torch's. `live_at_peak` and `by_site` are pure functions of the snapshot (tested on the CPU with a
 synthetic trace); only `record_step` needs a GPU.
+
+Reproduces: benchmarks/results/memory-peak-1b-{eager,kprof,liger}-2026-11-29T2210Z.json, the
+figure behind kernels/glu.py's in-place GLU backward (kprof's peak 5.44 GiB above the parameters
+in the last MLP's backward against Liger's 5.31) and the top README's 11.03 GiB for both:
+    python benchmarks/bench_llama_step.py --variants eager,kprof,liger --memory-peak   (H200)
 """
 
 from __future__ import annotations

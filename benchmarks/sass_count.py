@@ -17,6 +17,10 @@ loops, the innermost one's. `total/elem`: the whole kernel over the same element
 one-tile-per-program kernel (the forwards) pays. Compiled with the launchers' defaults for bf16
 (bias_gelu's BWD_MAXNREG). Run it in a
 fresh Python WITHOUT TRITON_INTERPRET (it removes the variable itself, before importing triton).
+
+Reproduces: the "SASS per element" table in kernels/bias_gelu.py's docstring and the top README's
+bias+GELU erf figures (backward loop 28.8 -> 25.8 instructions per element, forward 25.8 -> 23.8),
+with `python -m benchmarks.sass_count` on any machine (CPU is enough).
 """
 
 from __future__ import annotations

@@ -7,37 +7,23 @@ forward reads x and writes y (2 passes; the bias is N elements); backward reads 
 recomputes gelu'(x + bias) and writes dx (3 passes), and sums dbias on the fly.
 
 dbias = sum over rows of dx: each program of a persistent grid (_PROGRAMS_PER_SM per SM) owns one
-column block and a strided set of row tiles, accumulates in fp64 registers and writes one
-partial row to an fp64 [n_groups, N] buffer; `partial.sum(0)` (fp64) finishes and rounds once
-to bias's dtype. No atomics, so the result is bitwise run-to-run deterministic. Partial-buffer traffic at
-16384x16384 bf16 on an H200 (2048-column backward tiles): 8 column blocks x 66 groups ->
-66 x 16384 fp64 = 8.7 MB written and read back, 0.5% of the backward's 1.61 GB stream.
+column block and a strided set of row tiles, accumulates in registers (fp64 for fp32 inputs, fp32
+for half ones) and writes one fp64 partial row to an [n_groups, N] buffer; `partial.sum(0)` (fp64)
+finishes and rounds once to bias's dtype. No atomics, so the result is bitwise run-to-run
+deterministic. Partial traffic at 16384x16384 bf16 on an H200: 66 groups x 16384 fp64 = 8.7 MB
+written and read back, 0.5% of the backward's 1.61 GB stream.
 
-Napkin math (H200, 4.27 TB/s), x 16384x16384 bf16 (537 MB per tensor): forward 1.07 GB ->
-251 us floor; backward 1.61 GB -> 377 us. Target: >= 90% of copy bandwidth both ways.
-
-Issue-bound, not DRAM-bound (ncu, H200: backward 69% SM vs 50% DRAM throughput): at copy
-bandwidth an SM issues ~47 instructions per element of the backward (6 bytes/element) and ~31 of
-the forward (4 bytes). SASS per element (benchmarks/sass_count.py, sm_90a, Triton 3.6 as on the
-H200, bf16, FAST, EVEN; backward: row-loop body / 8 elements per thread, BLOCK_N 2048, 8 warps;
-forward: whole kernel / 16 elements per thread, BLOCK_N 4096, 8 warps):
-                      silu         gelu tanh     gelu erf    registers (bwd)
-    backward before   24.8         32.8          43.0        58-59
-    backward          17.4         22.4          28.8        61-64 (cap 64: BWD_MAXNREG)
-    forward before    20.8         20.6          35.8
-    forward           11.6         13.6          25.8
-    erf tail t*P7(t)*phi (2026-11-30, glu._gelu_erf_parts): backward erf 25.8 (61 registers),
-    forward erf 23.8 (Numerical Recipes' exp(P9(t)) form needed a second exp and 2 more FFMAs)
-    + fp32 dbias accumulator for bf16/fp16 (HALF_DBIAS_ACC_FP64): backward 17.1 / 21.4 / 25.5
-    (56-61 registers; 40 / 54 / 48 uncapped)
-From: 1 / x as rcp.approx.ftz (`rcp_fast`, -4 per division), log2(e) and the constants folded
-into the exps' arguments (`exp2_fast`), bf16 loads widened by shift and
-mask (`to_f32_fast`, -1 per element per tensor), pointers advanced per tile instead of an int64
-r * stride per tile (backward), the forward's grid 2-D instead of a runtime pid // n_col_blocks
-(`glu._tile`, -16 to -19 per program). ("backward now": Triton 3.9; 3.6 within 1 per element.)
-Measured on the H200 (2026-11-30 01:22, `glusweep-h200-20261130T0122.txt`, GPU kernel time of
-fwd+bwd at 16384x16384 bf16): tanh 730 -> 660 us (95% of copy bandwidth), erf 891 -> 769 us (82%);
-forward tanh 262 us (96%), erf 290 us (87%).
+Why the kernels look the way they do: x 16384x16384 bf16 (537 MB per tensor) moves 1.07 GB forward
+(251 us floor at 4.27 TB/s) and 1.61 GB backward (377 us), but the kernels are issue-bound, not
+DRAM-bound (ncu, H200: backward 69% SM vs 50% DRAM throughput): at copy bandwidth an SM can issue
+only ~47 instructions per element of the backward and ~31 of the forward. So every instruction per
+element is counted (benchmarks/sass_count.py): exps as one ex2 with log2(e) folded into the
+constants (`exp2_fast`), 1 / x as rcp.approx (`rcp_fast`), bf16 loads widened by shift and mask
+(`to_f32_fast`), pointers advanced per row tile, a 2-D grid (`glu._tile`), the erf tail on one
+exp (`glu._gelu_erf_parts`), fp32 dbias accumulators for half inputs and register caps that keep
+every program resident (BWD_MAXNREG, FWD_MAXNREG). Measured on the H200 at 16384x16384 bf16:
+fwd+bwd 660 us with tanh (95% of copy bandwidth) and 668 us with erf (94%), forward 252-261 us
+(96%). The history of those figures is in docs/kernels.md.
 
 Numerics: x + bias and GELU computed in fp32 and rounded once (eager rounds x + bias to the
 input dtype first); dbias is summed in fp64 from the unrounded fp32 dx. The activation math is
@@ -46,7 +32,6 @@ the shared `act_and_grad` from `kprof.kernels.glu`.
 
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import torch
@@ -56,22 +41,20 @@ import triton
 import triton.language as tl
 
 from kprof.errors import KprofError
-from kprof.kernels.common import FP_FUSION, use_triton, via_custom_op, warn_fallback
-from kprof.kernels._math import fast_math
-from kprof.kernels.glu import (
-    _GELU_ACT,
-    SUPPORTED_DTYPES,
+from kprof.kernels.common import (
+    FP_FUSION,
     StreamConfig,
-    _approx_act,
-    _launch_plan,
-    _ld,
-    _st,
-    _tile,
-    act_and_grad,
-    act_fwd,
-    as_rows,
     device_ctx,
+    numel,
+    persistent_programs,
+    rows_and_stride,
+    stream_plan,
+    use_triton,
+    via_custom_op,
+    warn_fallback,
 )
+from kprof.kernels._math import fast_math
+from kprof.kernels.glu import _GELU_ACT, SUPPORTED_DTYPES, _approx_act, _ld, _st, _tile, act_and_grad, act_fwd
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 
 # --------------------------------------------------------------------------------------------
@@ -103,7 +86,7 @@ def _bias_gelu_bwd_kernel(
     n_rows, n_cols,
     stride_dy, stride_x, stride_dx,
     ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, FAST: tl.constexpr,
-    ACC_F64: tl.constexpr,  # dbias accumulated in fp64 (fp32 inputs; HALF_DBIAS_ACC_FP64 for half ones)
+    ACC_F64: tl.constexpr,  # dbias accumulated in fp64 (fp32 inputs) or fp32 (half inputs)
 ):  # fmt: skip
     # grid = (column blocks, groups): this program owns columns [pid_n * BLOCK_N, +BLOCK_N) and
     # row tiles pid_g, pid_g + n_groups, ... (n_mine of them); it writes dx for them and one fp64
@@ -136,13 +119,11 @@ def _bias_gelu_bwd_kernel(
     dx_row = dx_ptr + first * stride_dx
     # dbias accumulator. fp32 inputs: fp64, since a plain fp32 one walking 20000 rows (H200 test,
     # 4097 columns) drifted past the fp32 tolerance on columns whose dbias is near 0 (the error
-    # grows with the row count, not with |dbias|). Also measured on the H200 (2026-11-30,
-    # `glusweep-h200-20261130T0122.txt`, 16384x16384 bf16 fwd+bwd): fp32 blocks of 4-32 tiles
-    # added into fp64 ran 722-756 us (tanh) against 660 us for the fp64 add every tile, and erf
-    # alike within 1%. bf16/fp16 inputs: fp32 (HALF_DBIAS_ACC_FP64), as rms_norm's half dweight
-    # partials: the per-program sum over ~250 rows at 16384 rows (66 groups) carries ~1e-5
-    # relative error, 300x under a bf16 ulp of the result, and the partials are still summed in
-    # fp64. Per element it is one FADD for F2F.F64.F32 + DADD (F2F on the 16/clk/SM pipe).
+    # grows with the row count, not with |dbias|); adding fp32 blocks of tiles into fp64 instead
+    # was slower (722-756 us against 660 us tanh fwd+bwd). bf16/fp16 inputs: fp32, as rms_norm's
+    # half dweight partials: the per-program sum over ~250 rows at 16384 rows (66 groups) carries
+    # ~1e-5 relative error, 300x under a bf16 ulp of the result, and the partials are still summed
+    # in fp64. Per element it is one FADD instead of F2F.F64.F32 + DADD (F2F on the 16/clk/SM pipe).
     if ACC_F64:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float64)
     else:
@@ -167,33 +148,25 @@ def _bias_gelu_bwd_kernel(
 # --------------------------------------------------------------------------------------------
 
 # Persistent backward grid: about this many programs per SM (8 programs x 8 warps = 64 warps,
-# the H100/H200 per-SM maximum) so one wave keeps every SM streaming. In the interpreter the
-# "SM count" is 4: programs run one after another there, and 4 still gives several groups on
-# the test shapes so the two-level dbias reduction is exercised.
+# the H100/H200 per-SM maximum) so one wave keeps every SM streaming.
 _PROGRAMS_PER_SM = 4
-_INTERPRETER_SMS = 4
 # Backward tile (elements per program per row step) and warps; None: the forward's streaming
-# plan (4096 elements, 8 warps). The fp64 dbias accumulator is 2 registers per element of the
-# tile, so the tile sets the registers a thread needs and how many programs fit an SM (ncu,
-# 2026-11-29: 98 registers, 25% occupancy at the default). Swept by benchmarks.cases.glu.
+# plan (4096 elements, 8 warps). The dbias accumulator's registers grow with the tile, so the
+# tile sets how many programs fit an SM. Swept by benchmarks.cases.glu.
 BWD_TILE: int | None = 2048
 BWD_WARPS: int | None = 8
 # Register cap for the backward (ptxas .maxnreg; None: ptxas's choice). 65536 registers per SM /
 # (_PROGRAMS_PER_SM 4 x 8 warps x 32 threads) = 64, so every program of the persistent grid is
 # resident at once (an uncapped kernel over 64 registers runs 3 programs per SM and a second wave
-# for the fourth). Capped at 64: no spills at the default tile (the sm_90 compile test checks).
-# H200 sweep (2026-11-30): erf fwd+bwd 780 -> 769 us with the cap, tanh 660 either way.
+# for the fourth). No spills at the default tile (the sm_90 compile test checks). H200: erf
+# fwd+bwd 780 -> 769 us with the cap, tanh 660 either way.
 BWD_MAXNREG: int | None = 64
 # Forward launch: elements per program (None: StreamConfig.TILE, 4096; 4 warps below 4096) and
-# register cap for bf16/fp16 inputs (None: ptxas's choice). The erf forward takes 38 registers
-# uncapped, so fewer of its programs fit an SM than tanh's (32). H200 sweep 2026-11-30 03:47
-# (`glusweep-h200-20261130T0347-fwd.txt`, kernel time at 16384 x 16384 bf16, tile 2048 / 4096 /
-# 8192): tanh 252.5 / 260.3 / 259.9 us uncapped, the same capped at 32 (8192: 460, spills);
-# erf 279.6 / 284.6 / 292.4 uncapped, 261.4 / 266.1 / 473 at 32 (96.2% of copy bandwidth at 2048).
+# register cap for bf16/fp16 inputs (None: ptxas's choice). Uncapped, the erf forward takes 38
+# registers and fewer of its programs fit an SM. H200 at 16384x16384 bf16, tile 2048: tanh
+# 252.5 us either way, erf 279.6 -> 261.4 us capped at 32 (96.2% of copy bandwidth).
 FWD_TILE: int | None = 2048
 FWD_MAXNREG: int | None = 32
-# fp64 dbias accumulation also for bf16/fp16 inputs (fp32 inputs always take fp64; see the kernel).
-HALF_DBIAS_ACC_FP64 = False
 
 
 def _bwd_plan(n_rows: int, n_cols: int) -> tuple[int, int, int]:
@@ -201,14 +174,8 @@ def _bwd_plan(n_rows: int, n_cols: int) -> tuple[int, int, int]:
     return cfg.block_m, cfg.block_n, BWD_WARPS or cfg.num_warps
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _n_groups(t: torch.Tensor, n_row_tiles: int, n_col_blocks: int) -> int:
-    sms = _sm_count(t.get_device()) if t.is_cuda else _INTERPRETER_SMS
-    return max(1, min(n_row_tiles, triton.cdiv(sms * _PROGRAMS_PER_SM, n_col_blocks)))
+    return persistent_programs(n_row_tiles, t.device, _PROGRAMS_PER_SM, n_col_blocks)
 
 
 def _check(x: torch.Tensor, bias: torch.Tensor) -> None:
@@ -237,15 +204,7 @@ def _check(x: torch.Tensor, bias: torch.Tensor) -> None:
 
 # The unchecked launchers are the eager hot path (the autograd.Function calls them directly; see
 # `via_custom_op`): no aten work beyond allocating outputs, contiguous x passed as it is (no
-# .view), views only for strided inputs.
-
-
-def _rows(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
-    """(tensor addressable as rows of n with unit column stride, its row stride)."""
-    if t.is_contiguous():
-        return t, n
-    t2 = as_rows(t, n)
-    return t2, t2.stride(0)
+# .view), views only for strided inputs (`rows_and_stride`).
 
 
 def _fwd(x: torch.Tensor, bias: torch.Tensor, act: int) -> torch.Tensor:
@@ -255,9 +214,9 @@ def _fwd(x: torch.Tensor, bias: torch.Tensor, act: int) -> torch.Tensor:
         return y
     n = x.shape[-1]
     n_rows = numel // n
-    x2, sx = _rows(x, n)
+    x2, sx = rows_and_stride(x, n)
     b = bias if bias.is_contiguous() else bias.contiguous()
-    grid, bm, bn, warps = _launch_plan(n_rows, n, FWD_TILE)
+    grid, bm, bn, warps = stream_plan(n_rows, n, FWD_TILE)
     with device_ctx(x):
         _bias_gelu_fwd_kernel[grid](
             x2, b, y, n_rows, n, sx, n,
@@ -275,8 +234,8 @@ def _bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, act: int) -> tup
         return dx, torch.zeros_like(bias)  # a sum over zero rows is 0
     n = x.shape[-1]
     n_rows = numel // n
-    dy2, sdy = _rows(dy, n)
-    x2, sx = _rows(x, n)
+    dy2, sdy = rows_and_stride(dy, n)
+    x2, sx = rows_and_stride(x, n)
     b = bias if bias.is_contiguous() else bias.contiguous()
     bm, bn, warps = _bwd_plan(n_rows, n)
     n_col_blocks = triton.cdiv(n, bn)
@@ -286,12 +245,11 @@ def _bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, act: int) -> tup
         _bias_gelu_bwd_kernel[(n_col_blocks, n_groups)](
             dy2, x2, b, dx, partial, n_rows, n, sdy, sx, n,
             ACT=act, BLOCK_M=bm, BLOCK_N=bn, EVEN=n_rows % bm == 0 and n % bn == 0, FAST=fast_math(x),
-            ACC_F64=x.dtype == torch.float32 or HALF_DBIAS_ACC_FP64, num_warps=warps, maxnreg=BWD_MAXNREG,
+            ACC_F64=x.dtype == torch.float32, num_warps=warps, maxnreg=BWD_MAXNREG,
             **FP_FUSION,
         )  # fmt: skip
     # Second level: a fixed-order fp64 sum over n_groups partial rows (deterministic), then one
-    # rounding to bias's dtype. Partial traffic at 16384x16384 bf16: 66 groups x 16384 x 8 bytes =
-    # 8.7 MB written and read back, 0.5% of the backward's 1.61 GB.
+    # rounding to bias's dtype.
     return dx, partial.sum(dim=0).to(bias.dtype)
 
 
@@ -429,19 +387,12 @@ def _cost(n_rows: int, n_cols: int, dtype: torch.dtype = torch.bfloat16, approxi
     }
 
 
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
 def _op_cost(metas: Sequence[TensorMeta], which: str) -> Cost:
     # fwd metas: (x, bias); bwd: (dy, x, bias). `approximate` is not in the metas: cost as tanh
     # (the default, and the larger FLOP count); bytes are exact either way.
     x, bias = metas[-2], metas[-1]
     n = int(bias.shape[0]) if bias.shape else 1
-    return _cost(_numel(x.shape) // max(n, 1), n, x.dtype)[which]
+    return _cost(numel(x.shape) // max(n, 1), n, x.dtype)[which]
 
 
 SPEC = register(

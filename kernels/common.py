@@ -1,4 +1,6 @@
-"""Shared helpers for the kernel modules: where a kernel can run, and the tolerance table.
+"""Shared helpers for the kernel modules: where a kernel can run, the tolerance table, and the
+row/launch helpers every row-wise kernel uses (rows as a 2-D view, block shapes and warps,
+persistent grids, SM counts), so each is written once.
 
 Where a kernel runs:
 - CUDA tensors: the Triton kernel.
@@ -13,21 +15,25 @@ Where a kernel runs:
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import math
 import os
 import warnings
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
 
 import torch
+import triton
+
+from kprof.errors import KprofError
 
 
-# Every kprof launch compiles with FP fusion (a * b + c -> one FMA) on, explicitly. Triton <= 3.9
-# fuses by default, 3.9 warns that 3.10 will not, and the kernels were tuned and measured fused.
-# Measured on the H200 (2026-11-30 05:23-05:27, bench_kernels graphn_us, fused vs TRITON_DEFAULT_FP_FUSION=0,
-# `bench-h200-20261130T0523-fpfusion-{on,off}.log`): bias+GELU erf fwd 283 -> 331 us and
-# fwd+bwd 668 -> 748 us (94% -> 84% of copy bandwidth), LayerNorm fwd+bwd 186 -> 226 us (over
-# its 200 us target), Gemma-softcap cross-entropy 2.51 -> 2.87 ms; RMSNorm, tanh GELU and plain
-# cross-entropy unchanged. The kernels' tests pass either way (`pytest-gpu-kernels-nofpfusion-*`).
-# A launch option, not the global knob: the user's own Triton kernels and Inductor keep theirs.
+# Every kprof launch compiles with FP fusion (a * b + c -> one FMA) on, explicitly: Triton <= 3.9
+# fuses by default, 3.10 will not, and the kernels were tuned fused. Without it, on the H200:
+# bias+GELU erf fwd+bwd 668 -> 748 us, LayerNorm fwd+bwd 186 -> 226 us, Gemma-softcap
+# cross-entropy 2.51 -> 2.87 ms (docs/kernels.md). A launch option, not the global knob: the
+# user's own Triton kernels and Inductor keep theirs.
 FP_FUSION = {"enable_fp_fusion": True}
 
 
@@ -46,9 +52,9 @@ def via_custom_op() -> bool:
     Only when it pays: under torch.compile (the opaque op keeps the graph whole) and while a
     profiler records (the trace then names `kprof::*` ops with their input shapes, which the cost
     model reads). Otherwise the autograd.Function calls the launcher directly, because on the
-    H200 machine's host (Xeon, 2026-11-29, benchmarks/host_overhead.py) a custom-op call costs
-    30 us against 24 us for the bare Triton launch, and a fwd+bwd through custom ops 244 us
-    against 163 us: at these kernels' 65-200 us GPU times, host time decides the wall time.
+    H200 machine's host (benchmarks/host_overhead.py) a custom-op call costs 30 us against 24 us
+    for the bare Triton launch, and a fwd+bwd through custom ops 244 us against 163 us: at these
+    kernels' 65-200 us GPU times, host time decides the wall time.
     """
     return torch.compiler.is_compiling() or torch._C._autograd._profiler_enabled()
 
@@ -87,3 +93,141 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     """torch.testing.assert_close with the table entry for `dtype` (default: actual's dtype)."""
     t = tol(dtype or actual.dtype)
     torch.testing.assert_close(actual, expected.to(actual.dtype), atol=t.atol, rtol=t.rtol, msg=msg or None)
+
+
+# --------------------------------------------------------------------------------------------
+# Row/launch helpers shared by the kernel modules
+# --------------------------------------------------------------------------------------------
+
+
+def require_triton(t: torch.Tensor, op: str) -> None:
+    """For launchers that have no fallback: raise unless the Triton kernel can run on `t`."""
+    if not use_triton(t):
+        raise KprofError(
+            f"{op}: Triton needs a CUDA tensor (or TRITON_INTERPRET=1 for CPU tensors); got a tensor on {t.device}. "
+            "Call the public function instead, which falls back to the PyTorch reference."
+        )
+
+
+def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """A 2-D (rows, n_cols) view of t with unit column stride; copies only if none exists
+    (e.g. a transposed input). Row strides may be anything (halves of a packed tensor, stride-0
+    broadcast rows)."""
+    try:
+        v = t.view(-1, n_cols)
+    except RuntimeError:  # leading dims not collapsible into one row index without a copy
+        v = t.reshape(-1, n_cols).contiguous()
+    if v.stride(1) != 1 and n_cols > 1:
+        v = v.contiguous()
+    return v
+
+
+def rows_and_stride(t: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, int]:
+    """(t addressable as rows of n_cols with unit column stride, its row stride). A contiguous
+    tensor is passed as it is (the kernels only take its data pointer): on the eager hot path an
+    aten op is ~12 us of host time on the H200 machine, a launch ~24 us."""
+    if t.is_contiguous():
+        return t, n_cols
+    v = as_rows(t, n_cols)
+    return v, v.stride(0)
+
+
+def rows_cols(shape: Sequence[int]) -> tuple[int, int]:
+    """(rows, columns) of a tensor of `shape` read as rows of its last dim (cost models)."""
+    return math.prod(int(s) for s in shape[:-1]), (int(shape[-1]) if len(shape) else 1)
+
+
+def numel(shape: Sequence[int]) -> int:
+    return math.prod(int(s) for s in shape)
+
+
+def row_tile(n_cols: int, tile_elems: int, max_rows: int = 64) -> tuple[int, int]:
+    """(rows, block_n) of a block that holds whole rows: block_n is the row padded to a power of
+    2, and short rows are stacked so a block holds about `tile_elems` elements."""
+    block_n = triton.next_power_of_2(max(n_cols, 1))
+    return max(1, min(max_rows, tile_elems // block_n)), block_n
+
+
+def num_warps(elems: int, per_thread: int = 16, max_warps: int = 16) -> int:
+    """Warps for a block of `elems` elements at about `per_thread` elements a thread (16: two
+    16-byte bf16 vectors), at least 4 and at most `max_warps`."""
+    return max(4, min(max_warps, elems // (32 * per_thread)))
+
+
+# The interpreter (CPU CI) has no SMs; 4 "SMs" give persistent grids several programs there, so
+# the cross-program reductions (weight-grad partials) are exercised.
+INTERPRETER_SM_COUNT = 4
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return INTERPRETER_SM_COUNT
+
+
+def persistent_programs(n_work: int, device: torch.device, per_sm: int, n_col_blocks: int = 1) -> int:
+    """Programs of a persistent grid: about `per_sm` per SM (shared out over `n_col_blocks`
+    column blocks), at most one per work item, at least 1."""
+    return max(1, min(n_work, triton.cdiv(sm_count(device) * per_sm, n_col_blocks)))
+
+
+_NO_CTX = contextlib.nullcontext()
+
+
+def device_ctx(t: torch.Tensor):
+    """Launch on t's GPU (Triton launches on the current device). Switching devices only when
+    t is not on the current one: the common single-GPU call skips torch.cuda.device's
+    enter/exit (two device exchanges)."""
+    if t.is_cuda and t.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return _NO_CTX
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Tile shape and warps for the elementwise streaming kernels (glu, bias_gelu)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+
+    # 4096 elements per program: at 8 warps that is 16 elements per thread per tensor, i.e. two
+    # 16-byte vector accesses for bf16 (four for fp32), enough bytes in flight per SM to stream
+    # (inductor's pointwise kernels use 1024-2048 per program at 4-8 warps). On the H200 SwiGLU
+    # fwd at 8192x11008 bf16 ran 125 us of kernel time against the 127 us copy floor.
+    TILE = 4096
+    # CUDA's limit on grid y; a launch with more row blocks has each program walk several.
+    MAX_GRID_Y = 65535
+
+    @classmethod
+    @functools.lru_cache(maxsize=1024)  # per call otherwise: ~10 us of Python on the H200 host
+    def streaming(cls, n_rows: int, n_cols: int, tile: int | None = None) -> "StreamConfig":
+        """A [block_m, block_n] tile of about `tile` (default TILE) elements; wide rows are split
+        into column blocks (so any row length works), narrow rows are stacked so a program still
+        moves `tile` elements."""
+        tile = tile or cls.TILE
+        block_n = min(triton.next_power_of_2(max(n_cols, 1)), tile)
+        if n_rows > 1 and n_cols > tile:
+            # Rows wider than a tile: take the column block (>= tile / 8) that wastes the fewest
+            # masked lanes on the row's last block, largest on ties. I = 11008 at a 4096 tile:
+            # 4096 pads to 12288 (90% useful), 1024 pads to 11264 (98%) -> 4 rows x 1024.
+            block_n = min((tile >> k for k in range(4)), key=lambda b: (triton.cdiv(n_cols, b) * b, -b))
+        block_m = min(max(tile // block_n, 1), triton.next_power_of_2(max(n_rows, 1)))
+        return cls(block_m, block_n, 8 if block_m * block_n >= 4096 else 4)
+
+    def grid(self, n_rows: int, n_cols: int) -> tuple[int, int]:
+        """(column blocks, row blocks): see `glu._tile`."""
+        return (triton.cdiv(n_cols, self.block_n), min(triton.cdiv(n_rows, self.block_m), self.MAX_GRID_Y))
+
+
+@functools.lru_cache(maxsize=1024)
+def stream_plan(n_rows: int, n_cols: int, tile: int | None = None) -> tuple[tuple[int, int], int, int, int]:
+    """(grid, block_m, block_n, num_warps) for a streaming launch of about `tile` elements per
+    program (default StreamConfig.TILE), cached on the ints."""
+    cfg = StreamConfig.streaming(n_rows, n_cols, tile)
+    return cfg.grid(n_rows, n_cols), cfg.block_m, cfg.block_n, cfg.num_warps

@@ -6,30 +6,22 @@ Eager `F.cross_entropy(logits.float(), target)` on bf16 logits 8192 x 128256 upc
 d loss / d logits in the same launch; the backward only scales that gradient by grad_output,
 and skips even that on the device when grad_output == 1 (the usual `loss.backward()`).
 
-Napkin math (H200, 4.27 TB/s measured copy bandwidth, 132 SMs, 50-60 MB L2), bf16 8192 x 128256:
-  logits read once   2.10 GB
-  grad written once  2.10 GB      -> floor 4.2 GB / 4.27 TB/s = 0.98 ms (target <= 1.15 ms)
-A row (128256 bf16 = 256 KB) cannot stay in one SM's registers, so each row is read twice: pass 1
-(online logsumexp over V in blocks), pass 2 (softmax - onehot, written as the gradient). If the
-second read came from L2 the kernel would move 4.2 GB; from HBM, 6.3 GB (1.47 ms at best). Pass 2
-walks the row backwards, so it first re-reads the blocks pass 1 read last, pass 1's loads are
-marked evict_last, pass 2's evict_first and the gradient stores streaming (.cs).
-Measured on the H200 (2026-11-29, fwd+bwd GPU time): 2.47 ms for the first napkin-math launch
-config, 1.46 ms after a 64-config sweep, then 1.29 ms with the row loop below: each thread keeps
-an online max and sum for its own 16-byte vector of columns (no cross-thread reduction until the
-row's end), full blocks unmasked, the next block loaded before the current one's math, and exp as
-ex2.approx.ftz (kprof.kernels._math). ncu then: 2.39 GB read (the second pass mostly hits L2),
-2.08 GB written, 67% of DRAM peak with the top stall on load latency; one 1024-thread program per
-SM because the rows in flight must fit L2 (CEConfig).
-Rows up to `CEConfig.single_block_max` columns are loaded once and kept in registers.
-
-On Hopper (sm_90+) `_ce_fwd_launch` first tries `cross_entropy_sm90`: a CUDA C++ kernel in which
-the CTAs of a thread-block cluster share each row, so every logit is read from DRAM once (1.107-
-1.115 ms against this kernel's 1.256-1.271 ms in the same H200 runs, 2026-11-30; the issue's case
-fwd+bwd 1.128 ms). This Triton kernel is the fallback and the reference for it: earlier GPUs,
-rows that are not 16-byte aligned, rows over 262144 (fp32: 131072) columns or in the range where
-the cluster shapes are part-filled (bf16 V in (131072, 229376], measured slower at 151936), the
-softcap (slower there), or no NVRTC. Both compute the same function; tests/kernels/test_cross_entropy_sm90.py checks both.
+Why: bf16 8192 x 128256 logits are 2.10 GB, so reading them once and writing the gradient once
+is a 0.98 ms floor at the H200's 4.27 TB/s (target <= 1.15 ms). A row (128256 bf16 = 256 KB)
+cannot stay in one SM's registers, so this kernel reads each row twice: pass 1 (online logsumexp
+over V in blocks), pass 2 (softmax - onehot, written as the gradient), walking the row backwards
+so it first re-reads the blocks pass 1 read last from L2 (loads evict_last, then evict_first,
+gradient stores streaming). Each thread keeps an online max and sum for its own 16-byte vector
+of columns, full blocks load unmasked, the next block is loaded before the current one's math,
+and exp is ex2.approx.ftz (kprof.kernels._math): fwd+bwd 1.26-1.29 ms on the H200 (ncu: 2.39 GB
+read, 2.08 GB written, 67% of DRAM peak). On Hopper (sm_90+) `_ce_fwd_launch` first tries
+`cross_entropy_sm90`, a CUDA C++ kernel in which the CTAs of a thread-block cluster share each
+row, so every logit is read from DRAM once: 1.107-1.115 ms in the same runs. This Triton kernel
+is the fallback and the reference for it: earlier GPUs, rows that are not 16-byte aligned, rows
+over 262144 (fp32: 131072) columns or in the range where the cluster shapes are part-filled
+(bf16 V in (131072, 229376]), the softcap (slower there), or no NVRTC. Rows up to
+`CEConfig.single_block_max` columns are loaded once and kept in registers. Both kernels compute
+the same function; tests/kernels/test_cross_entropy_sm90.py checks both.
 
 Semantics match `F.cross_entropy` on fp32 logits: mean over non-ignored targets (all ignored ->
 nan, like torch), label smoothing as torch defines it (eps/V spread over all classes, ignored
@@ -50,7 +42,7 @@ import triton.language as tl
 
 from kprof.errors import KprofError
 from kprof.kernels import cross_entropy_sm90 as _sm90
-from kprof.kernels.common import FP_FUSION, use_triton, via_custom_op, warn_fallback
+from kprof.kernels.common import FP_FUSION, num_warps, persistent_programs, use_triton, via_custom_op, warn_fallback
 from kprof.kernels._math import exp_fast, fast_math
 from kprof.kernels.registry import Cost, KernelSpec, register
 
@@ -101,7 +93,7 @@ def _ce_grad_block(z, t, is_y, m, p_coef, smooth_g, target_g, HAS_SMOOTHING: tl.
 def _ce_raw(x_row, offs, mask, MASKED: tl.constexpr, EVICT: tl.constexpr):
     # One [G, VEC] block of a row in the input dtype. Full blocks load without a mask: the mask's
     # compare and select per element are a measurable share of an issue-bound loop (ncu: 68% of
-    # SM throughput, 2026-11-29). Nothing here waits for the data, so the row loops issue the
+    # SM throughput). Nothing here waits for the data, so the row loops issue the
     # next block's load before the math on the current one (see the pass loops).
     if MASKED:
         return tl.load(x_row + offs, mask=mask, other=0.0, eviction_policy=EVICT)
@@ -183,7 +175,7 @@ def _ce_fwd_kernel(
     # The next row's target and (looped path) first block are loaded one row ahead, and z_y and
     # the scale at the top of the row: otherwise a row waits on ~4 dependent memory round trips
     # (target -> branch -> first block; z_y after pass 1; ...), each ~1 us, with one program per
-    # SM and ~62 rows each at the issue's shape (H200, 2026-11-29: 1.37 ms with them exposed).
+    # SM and ~62 rows each at the issue's shape (H200: 1.37 ms with them exposed).
     y_nxt = tl.load(target_ptr + tl.minimum(pid, n_rows - 1)).to(tl.int32)  # host-validated: ignore_index or in [0, V)
     if not SINGLE_BLOCK:
         first_mask = grp < n_cols
@@ -275,8 +267,8 @@ def _ce_fwd_kernel(
                     g = _ce_grad_block(z, t, cols == y, m, p_coef, smooth_g, target_g, HAS_SMOOTHING, HAS_SOFTCAP, True, FAST)
                     tl.store(g_row + cols, g.to(grad_ptr.dtype.element_ty), mask=cols < n_cols)
                 else:
-                    # Backwards from the tail: the blocks pass 1 read last are still in L2 (ncu,
-                    # 2026-11-29: 2.26 GB read from DRAM for 2.10 GB of logits).
+                    # Backwards from the tail: the blocks pass 1 read last are still in L2 (ncu:
+                    # 2.26 GB read from DRAM for 2.10 GB of logits).
                     if tail < n_cols:
                         offs = tail + grp
                         mask = offs < n_cols
@@ -370,19 +362,12 @@ def _reduce_loss_kernel(loss_ptr, n, n_valid_ptr, out_ptr, MEAN: tl.constexpr, B
 # ----------------------------------------------------------------------------------------------
 
 
-def _sm_count_and_l2(device: torch.device) -> tuple[int, int]:
-    if device.type == "cuda":
-        p = torch.cuda.get_device_properties(device)
-        return p.multi_processor_count, int(getattr(p, "L2_cache_size", 50 * 2**20))
-    return 1, 50 * 2**20
-
-
 @dataclass(frozen=True)
 class CEConfig:
     """Launch parameters of the fused cross-entropy kernel; the one place to tune them.
 
-    Register counts below are from ptxas -v for sm_90a on the Triton 3.9 compile (not measured
-    on the H200 yet; Triton 3.6 may differ). An H100/H200 SM has 65536 registers.
+    Register counts below are from ptxas -v for sm_90a on the Triton 3.9 compile (Triton 3.6 may
+    differ). An H100/H200 SM has 65536 registers.
     """
 
     block: int  # columns per load; a power of two
@@ -401,45 +386,17 @@ class CEConfig:
             # big blocks and one program per row keep the Python overhead low.
             block = min(triton.next_power_of_2(max(n_cols, 1)), 8192)
             return cls(block, 4, max(n_rows, 1), n_cols <= block)
-        n_sm = _sm_count_and_l2(device)[0]
         if n_cols <= cls.single_block_max:
             block = triton.next_power_of_2(n_cols)
-            warps = max(4, min(16, block // 1024))
+            warps = num_warps(block, per_thread=32)
             # One read per row, no L2 constraint. Programs per SM by registers: ~1 at 16 warps.
-            per_sm = max(1, 16 // warps)
-            return cls(block, warps, max(1, min(n_rows, per_sm * n_sm)), True)
-        # Measured on the H200 (2026-11-29, bf16 8192 x 128256, fwd writing the grad,
-        # `python -m benchmarks.cases.loss ce`). First kernel (a block max and sum across the
-        # program per block): 32768-column blocks over 32 warps at 1.46 ms, 2.47 ms for the
-        # napkin-math pick, 1.65 ms for the best 16-warp config, grid size no matter. The
-        # in-thread loop with the next block prefetched: 1.34 ms at 16384 or 32768 x 32 warps,
-        # 1-2 programs per SM alike; 16 and 8 warps 1.36-5.4 ms. With the next row's first
-        # block also held in registers, 32768 x 32 warps spills (ptxas, sm_90a: 64 registers,
-        # the cap for 1024 threads), 16384 fits (63). One program per SM keeps the rows in
-        # flight (132 x 256 KB) inside L2 for pass 2's re-read.
-        # Tried 2026-11-30 (`sweep-ce-h200-20261130T0100.txt`): a row-interleaved kernel, pass 2
-        # of a row block by block beside pass 1 of the program's next row (a DRAM read, an L2
-        # read and a store in flight per thread at once), measured 1.49-2.14 ms over 8 configs
-        # against this one's 1.264 ms in the same run, so it was dropped. Its L2 reuse distance
-        # is a whole row step (two rows per SM read between a block's two reads, 67 MB > L2);
-        # pass 2 walking backwards re-reads after one row per SM on average. Also tried then
-        # (`sweep-ce-h200-20261130T0103.txt`): Triton's software pipeline on the row loops
-        # (tl.range num_stages 2-4: cp.async into shared memory, 48-56 registers) in place of
-        # the registers-only prefetch: 1.47 ms at best (4 stages, 96 KB of shared memory; 2
-        # stages 1.91 ms) against 1.263 ms; each pipelined iteration adds a block-wide barrier.
-        # Tried 2026-11-30 (session 7) and dropped: a split kernel reading every logit once. Each
-        # row was cut into segments of 2048-16384 columns, one work item each (atomic ticket),
-        # held in registers from load to gradient; a program published its segment's (max,
-        # sum exp, sum), polled a per-row count until all segments had published, combined the
-        # partials and wrote the gradient. Correct (CPU two-launch form and H200 tests), but
-        # 1.56 ms at best over 24 configs against this kernel's 1.26 ms in the same run
-        # (`sweep-ce-split-h200-20261130T0505.txt`; Gemma 4096 x 256000 softcap: 3.56 vs 2.48
-        # ms): each item is a chain of dependent round trips (ticket, target, segment, publish,
-        # poll, partials, store: ~4.7 us an item from 1.57 us per item per SM at ~3 programs
-        # an SM). Issuing the next item's ticket and loads before the wait raised registers to
-        # 98-148 and made it slower still, 2.09 ms (`...-0517.txt`); its first form hung (a
-        # program could wait on a row whose next segment it held itself, unpublished).
-        return cls(16384, 32, max(1, min(n_rows, n_sm)), False)
+            return cls(block, warps, persistent_programs(n_rows, device, max(1, 16 // warps)), True)
+        # Rows over 16384 columns: 16384-column blocks over 32 warps, one program per SM, so the
+        # rows in flight (132 x 256 KB) stay inside L2 for pass 2's re-read; with the next row's
+        # first block held in registers, 16384 fits (63 registers, ptxas sm_90a) where 32768
+        # spills. The fastest of the configurations, row-interleaved and split-row kernels and
+        # Triton's software pipeline tried on the H200 (docs/kernels.md).
+        return cls(16384, 32, persistent_programs(n_rows, device, 1), False)
 
 
 def _check_logits_target(logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> None:
@@ -548,8 +505,8 @@ def _scale_launch(grad: torch.Tensor, scale: torch.Tensor) -> None:
     n_tiles = n_rows * triton.cdiv(n_cols, block)
     # GPU: persistent grid (4 programs per SM of 8 warps); interpreter: one program looping (its
     # cost is per program launched, and a skipped launch then costs one program).
-    n_prog = min(n_tiles, 4 * _sm_count_and_l2(grad.device)[0]) if grad.is_cuda else 1
-    _scale_kernel[(max(1, n_prog),)](grad, scale, n_rows, n_cols, SCALAR=scalar, BLOCK=block, num_warps=8 if grad.is_cuda else 4, **FP_FUSION)
+    n_prog = persistent_programs(n_tiles, grad.device, 4) if grad.is_cuda else 1
+    _scale_kernel[(n_prog,)](grad, scale, n_rows, n_cols, SCALAR=scalar, BLOCK=block, num_warps=8 if grad.is_cuda else 4, **FP_FUSION)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -623,9 +580,9 @@ def _(grad, grad_output):
 
 def _n_valid(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """Non-ignored targets as an fp32 scalar on the device (no host sync). Two kernels (compare,
-    sum); computed once per call and shared by the gradient scale and the mean, which used to
-    count separately with an int64 sum and a cast each: 9 small kernels around the CE kernel,
-    now 5 (~15 us of the 8192 x 128256 case's GPU time, H200). Exact below 2^24 tokens."""
+    sum); computed once per call and shared by the gradient scale and the mean: 5 small kernels
+    around the CE kernel instead of 9 (~15 us of the 8192 x 128256 case's GPU time, H200). Exact
+    below 2^24 tokens."""
     return (target != ignore_index).sum(dtype=torch.float32)
 
 
@@ -661,9 +618,9 @@ def _finish(loss_rows: torch.Tensor, target: torch.Tensor, ignore_index: int, re
     mode (instead of sum, divide and cast), torch ops otherwise."""
     if reduction == "none" or via_custom_op() or not use_triton(loss_rows) or loss_rows.numel() == 0:
         return _cast_result(_reduce(loss_rows, target, ignore_index, reduction, n_valid), dtype)
-    # The interpreter truncates fp32 -> bf16 in a kernel instead of rounding (see _common): there
+    # The interpreter truncates fp32 -> bf16 in a kernel instead of rounding (see common): there
     # the kernel stores fp32 and torch rounds (a bf16 Gemma loss was 0.0044 off against a 0.004
-    # limit in CPU CI, 2026-11-30). On the GPU the kernel rounds to nearest itself.
+    # limit in CPU CI). On the GPU the kernel rounds to nearest itself.
     out = torch.empty((), dtype=dtype if loss_rows.is_cuda else torch.float32, device=loss_rows.device)
     block = min(4096, triton.next_power_of_2(max(loss_rows.numel(), 16)))
     mean = reduction == "mean"
@@ -677,8 +634,8 @@ def _cast_result(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     already matches, never a `.to()` of it. `t.to(t.dtype)` returns `t`, a second name for the
     same tensor, and torch 2.11's dynamo (pytorch#180642, fixed in 2.12 by pytorch#180921) adds
     such an alias of the returned tensor as an extra output of the traced forward; autograd then
-    routes the loss's gradient to that extra output and the backward sees grad_output = 0 (H200
-    run, 2026-11-29: every fp32 grad of CE and linear+CE under torch.compile was 0)."""
+    routes the loss's gradient to that extra output and the backward sees grad_output = 0 (every
+    fp32 grad of CE and linear+CE under torch.compile was 0 on the H200)."""
     return t if t.dtype == dtype else t.to(dtype)
 
 
@@ -851,20 +808,16 @@ def cross_entropy_reference(
 # ----------------------------------------------------------------------------------------------
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 # FLOPs per logit, counted from the kernel: pass 1 max, sub, exp, add (4); pass 2 sub, exp, mul,
 # sub, select, (4-5). Transcendentals count as one FLOP each. Softcap adds ~8 per pass.
 _FWD_FLOPS_PER_LOGIT = 9
 
 
 def _ce_cost(n_rows: int, n_cols: int, dtype: torch.dtype = torch.bfloat16, target_dtype: torch.dtype = torch.int64) -> dict:
-    e = _itemsize(dtype)
+    e = dtype.itemsize
     nv = n_rows * n_cols
     # Forward: read the logits once (+ targets), write the gradient once (+ fp32 per-row losses).
-    fwd = Cost(flops=_FWD_FLOPS_PER_LOGIT * nv, bytes=nv * e + n_rows * _itemsize(target_dtype) + nv * e + 4 * n_rows)
+    fwd = Cost(flops=_FWD_FLOPS_PER_LOGIT * nv, bytes=nv * e + n_rows * target_dtype.itemsize + nv * e + 4 * n_rows)
     # Backward: minimal cost is zero, `loss.backward()` passes grad_output = 1 and the scaling is
     # skipped on the device. With grad_output != 1 (loss / accum_steps, reduction='none') it is
     # one multiply per logit over a read and a write of the gradient: nv FLOPs, 2 * nv * e bytes.

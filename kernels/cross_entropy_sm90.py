@@ -1,5 +1,10 @@
 """Hopper path of kprof's fused cross-entropy: one row per thread-block cluster, read once.
 
+Why: the Triton kernel reads each row of logits twice (a 128256-wide bf16 row does not fit one
+SM's registers) and takes 1.256-1.271 ms fwd+bwd at bf16 8192 x 128256 on the H200; sharing each
+row across the CTAs of a cluster reads every logit from DRAM once: 1.107-1.115 ms in the same runs
+(0.98 ms floor).
+
 The kernel is CUDA C++ (`csrc/cross_entropy_sm90.cu`; its header says why Triton cannot express
 it). It computes exactly what `cross_entropy._ce_fwd_kernel` computes (per-row loss and the
 scaled gradient, in place or not) and is checked against the same reference,
@@ -42,7 +47,7 @@ _MAX_NV = 8
 # (CTAs per cluster, threads per CTA, CTAs per SM, fewest vectors a thread) in order of
 # preference. A CTA holds one row slice at a time and meets its cluster once per row, so each
 # shape pays only where a row gives it enough work. Measured on the H200, graph time, bf16, the
-# Triton kernel in the same runs (`sweep-ce-cluster-*-h200-20261130T0605.txt`, `...T0641.txt`):
+# Triton kernel in the same runs:
 #   V = 128256 (8192 rows): 4 x 512, 8 vectors a thread 1.107-1.115 ms; 8 x 256 x 2 CTAs an SM
 #       1.154; 8 x 512 1.405; Triton 1.256-1.271
 #   V = 256000 (4096 rows): 8 x 512, 8 vectors 1.104 ms; Triton 1.382
@@ -66,8 +71,8 @@ class ClusterConfig:
     min_blocks: int  # CTAs per SM the launch bounds ask for
     n_clusters: int = 0  # persistent grid in clusters; 0 = as many as fit at once (occupancy query)
     # Row slices in shared memory: the current row + nbuf - 1 prefetched. Measured on the H200
-    # (2026-11-30 06:12, bf16 8192 x 128256, cluster 4 x 512): nbuf 2 1.107 ms, nbuf 3 1.245 ms
-    # (cluster 8 x 256: 1.154 -> 1.210 ms); why the deeper prefetch is slower is not measured.
+    # (bf16 8192 x 128256, cluster 4 x 512): nbuf 2 1.107 ms, nbuf 3 1.245 ms (cluster 8 x 256:
+    # 1.154 -> 1.210 ms); why the deeper prefetch is slower is not measured.
     nbuf: int = 2
 
 
@@ -284,8 +289,8 @@ def try_launch(
     if mode == "triton" or not logits.is_cuda:
         return False
     if mode == "auto" and softcap > 0.0 and config is None:
-        # Measured slower with the softcap (H200, 2026-11-30, Gemma 4096 x 256000: 3.00 ms
-        # against the Triton kernel's 2.48 ms): it recomputes tanh in each pass.
+        # Measured slower with the softcap (H200, Gemma 4096 x 256000: 3.00 ms against the
+        # Triton kernel's 2.48 ms): it recomputes tanh in each pass.
         return False
     dev = logits.device
     idx = dev.index if dev.index is not None else torch.cuda.current_device()

@@ -14,26 +14,16 @@ and the backward only scales the stored grads by grad_output (skipped on the dev
 1, see `cross_entropy`). reduction='none' cannot do that (grad_output differs per token), so it
 stores nothing in the forward and recomputes the chunk logits in the backward instead.
 
-Napkin math (H200, bf16 dense ~989 TFLOP/s peak, ~750 reached by large cuBLAS GEMMs; 4.27 TB/s),
-N=8192, H=4096, V=128256:
-  3 GEMMs x 2NHV = 25.8 TFLOP -> ~34 ms at 750 TFLOP/s (torch.compile: 36.1 ms, the target)
-  CE kernel over all chunks: read + write N*V bf16 = 4.2 GB -> ~1 ms
-  grad_W update: the addmm streams grad_W ([V, H], 2 B read + 2 B written per element) against
-  2*C FLOPs per element: memory-bound below C ~ 412 (0.49 ms of traffic vs 0.36 ms of math per
-  chunk at C = 256), so small chunks cost time; measured trade-off and the default: `chunk_rows`.
-  Memory beyond the outputs (grad_h, grad_W): one [C, V] chunk = 131 MB at C = 512.
-
-Precision of grad_W: by default it is accumulated in the weight's dtype: each chunk's GEMM
-accumulates in fp32 inside cuBLAS and rounds once when adding into grad_W, so a bf16 grad_W
-takes N/C roundings instead of eager's one. Measured on CPU with torch ops only (bf16, H=64,
-V=512, the same bf16 dlogits for all; max |err| / max |grad_W| against fp64):
-    N=4096, C=512 ( 8 chunks): eager one GEMM 2.9e-3, bf16 accumulation 7.0e-3, fp32 accumulation 2.9e-3
-    N=8192, C=512 (16 chunks): eager one GEMM 3.3e-3, bf16 accumulation 1.0e-2, fp32 accumulation 3.3e-3
-    N=8192, C=256 (32 chunks, Liger's chunking at the benchmark shape): bf16 accumulation 1.2e-2
-So bf16 accumulation is ~3x less accurate than eager at 16 chunks; fp32 accumulation
-(`accum_dtype=torch.float32`) matches eager, at 4 B per weight element of extra memory
-([V, H] fp32 = 2.1 GB at the benchmark shape, over Liger's 1.06 GB) and twice the update traffic
-(so its chunk is 1024 rows). The default follows the memory target; pick fp32 for accuracy.
+Why: at N=8192, H=4096, V=128256 bf16 the 3 GEMMs are 25.8 TFLOP (~34 ms at the ~750 TFLOP/s
+large cuBLAS GEMMs reach on an H200) and the CE kernel moves 4.2 GB (~1 ms), while HF's logits
+take 2.1 GB + 4.2 GB fp32. Chunking keeps one [C, V] buffer (131 MB at C = 512); the grad_W
+update streams grad_W once per chunk, memory-bound below C ~ 412, so C trades memory for speed.
+Measured on the H200: fwd+bwd 43.2 ms at C = 512 for 1.25 GB extra, against torch.compile's
+39.1-40.1 ms / 3070 MiB and Liger's 55.6-56.0 ms / 1129 MiB (`chunk_rows`). grad_W is
+accumulated in the weight's dtype by default (each chunk's GEMM accumulates in fp32 and rounds
+once into grad_W: N/C roundings, ~3x eager's error at 16 chunks in bf16, measured on the CPU);
+`accum_dtype=torch.float32` matches eager for 4 B per weight element more ([V, H] fp32 = 2.1 GB
+here) and twice the update traffic (so its chunk is 1024 rows).
 """
 
 from __future__ import annotations
@@ -52,7 +42,6 @@ from kprof.kernels.cross_entropy import (
     _check_options,
     _check_target_values,
     _finish,
-    _itemsize,
     _scale_and_count,
     cross_entropy_reference,
 )
@@ -64,25 +53,13 @@ from kprof.kernels.registry import Cost, KernelSpec, register
 
 # Rows per chunk. The chunk buffer ([C, V] in the input dtype) is the memory this kernel adds
 # beyond the grads it must return, and the grad_W update streams all of grad_W once per chunk
-# (2 x V x H x 2 B), so C trades memory for speed. Measured on the H200 (2026-11-29, N=8192,
-# H=4096, V=128256, bf16, fwd+bwd; `python -m benchmarks.cases.loss` and bench_kernels.py):
-#     C =  256:  52.6 ms, 1.22 GB extra (bench_kernels: 54.4 ms, 1129 MiB = Liger's memory)
+# (2 x V x H x 2 B), so C trades memory for speed. H200, N=8192, H=4096, V=128256, bf16, fwd+bwd
+# (`python -m benchmarks.cases.loss`):
+#     C =  256:  52.6 ms, 1.22 GB extra (Liger's memory)
 #     C =  512:  43.2 ms, 1.25 GB       C = 1024: 40.9 ms, 1.38 GB
-#     C = 2048:  38.9 ms, 1.64 GB       (bench_kernels: 41.2 ms, 1567 MiB)
-#     torch.compile 39.1-40.1 ms / 3070 MiB; Liger (C = 256 here) 55.6-56.0 ms / 1129 MiB
+#     C = 2048:  38.9 ms, 1.64 GB       torch.compile 39.1-40.1 ms / 3070 MiB
 # The default, 512 rows, is the smallest chunk whose grad_W update stays compute-bound (2C FLOPs
-# per 4 B of grad_W traffic >= the ~206 FLOP/B ridge): 22% faster than Liger for 63 MiB more
-# (one more half chunk). chunk_size=256 matches Liger's memory, 2048 torch.compile's speed.
-# Tried 2026-11-30 (session 8) and removed: grad_W's update on a second stream beside grad_h's
-# GEMM (both only read the chunk's dlogits, so no extra memory), to hide the update's DRAM
-# traffic under the compute-bound GEMM. H200, same run (`bench-h200-20261130T0617-ce-lce.log`):
-# fwd+bwd 46.07 ms with the side stream, 45.64 ms without (spread ~1.3 ms): no gain.
-# Tried 2026-11-30 (session 9) and removed: the update as a Triton GEMM (C tile loaded before the
-# K loop; pointer or TMA loads; persistent, 1-2 CTAs an SM), to hide the C traffic that cuBLAS's
-# 0.91 ms (594 TFLOP/s) a 512-row chunk pays. Its best of 11 configs took 1.25 ms (430 TFLOP/s,
-# 0.73x cuBLAS; `sweep-gw-update-h200-20261130T0708.txt`), so beating cuBLAS here needs a
-# hand-written wgmma kernel, not Triton 3.6. cuBLASLt's heuristic (preferred_blas_library) picks
-# no better: 0.94 ms, and 44.4 vs 43.1 ms for the whole step (`sweep-gw-blas-...T0711.txt`).
+# per 4 B of grad_W traffic >= the ~206 FLOP/B ridge): 22% faster than Liger for 63 MiB more.
 # With an fp32 accumulator the update moves twice the bytes, so twice the rows.
 _GEMM_ROWS_BY_ACC_BYTES = {2: 512, 4: 1024}
 # Never let the chunk buffer take more than this share of the free device memory.
@@ -91,11 +68,11 @@ _FREE_MEMORY_SHARE = 8
 
 def chunk_rows(n_rows: int, vocab: int, dtype: torch.dtype, acc_dtype: torch.dtype, device: torch.device) -> int:
     """Rows per chunk: enough for a compute-bound grad_W update, capped by free memory and N."""
-    rows = _GEMM_ROWS_BY_ACC_BYTES[_itemsize(acc_dtype)]
+    rows = _GEMM_ROWS_BY_ACC_BYTES[acc_dtype.itemsize]
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        rows = min(rows, free // (_FREE_MEMORY_SHARE * vocab * _itemsize(dtype)))
+        rows = min(rows, free // (_FREE_MEMORY_SHARE * vocab * dtype.itemsize))
     return int(max(1, min(n_rows, rows)))
 
 
@@ -404,7 +381,7 @@ def linear_cross_entropy(
     grad_into_hidden: for 'mean'/'sum' in eager mode, write d loss / d hidden over hidden's own
         (contiguous) storage during the forward instead of a new [N, H] buffer: one [N, H] less
         at the step's memory peak (32 MiB on the 1B Llama, which decided its peak against
-        Liger's, H200 2026-11-29). Only for a hidden that nothing reads after this call (the
+        Liger's on the H200). Only for a hidden that nothing reads after this call (the
         final norm's output in a training step); another saved use of it fails loudly in the
         backward (version counter). Ignored under torch.compile and while a profiler records.
 
@@ -431,8 +408,8 @@ def linear_cross_entropy(
     loss = _LinearCrossEntropyFunction.apply(
         h2, weight, bias, t1, ignore_index, label_smoothing, reduction, z_loss, softcap,
         int(chunk_size or 0), accum_fp32, need_gh, need_gw, need_gb,
-        # (not while compiling: Dynamo breaks the graph on a data_ptr comparison, 4 breaks in the
-        # H200 compare of 2026-11-29; the compiled path is functional anyway)
+        # (not while compiling: Dynamo breaks the graph on a data_ptr comparison; the compiled
+        # path is functional anyway)
         bool(grad_into_hidden) and not torch.compiler.is_compiling()
         and h2.is_contiguous() and h2.data_ptr() == hidden.data_ptr(),
     )
@@ -494,14 +471,14 @@ def linear_cross_entropy_reference(
 
 def _lce_cost(n_rows: int, hidden: int, vocab: int, dtype: torch.dtype = torch.bfloat16,
               bias: bool = False, target_dtype: torch.dtype = torch.int64) -> dict:
-    e = _itemsize(dtype)
+    e = dtype.itemsize
     nh, vh, nv = n_rows * hidden, vocab * hidden, n_rows * vocab
     # Forward does everything: 3 GEMMs (logits, grad_h, grad_W) + the CE kernel.
     flops = 3 * 2 * n_rows * hidden * vocab + _FWD_FLOPS_PER_LOGIT * nv + (nv if bias else 0)
     # Minimal bytes: read hidden, weight (+ bias, target) once; write grad_h, grad_W (+ grad_b).
     # The chunk logits round trip (4 N V bytes: GEMM write, CE read + write, two GEMM reads) is
     # real traffic, but not a minimum: a fused GEMM epilogue would avoid it.
-    fwd_bytes = 2 * (nh + vh) * e + n_rows * _itemsize(target_dtype) + 4 * n_rows + (2 * vocab * e if bias else 0)
+    fwd_bytes = 2 * (nh + vh) * e + n_rows * target_dtype.itemsize + 4 * n_rows + (2 * vocab * e if bias else 0)
     # Backward: minimal cost zero (grad_output == 1 skips the scaling on the device); otherwise it
     # reads and writes grad_h and grad_W once: 2 * (nh + vh) * e bytes.
     return {"fwd": Cost(flops=flops, bytes=fwd_bytes), "bwd": Cost(flops=0.0, bytes=0.0)}

@@ -8,7 +8,8 @@ gate instead of saving it and reads dy, gate, up and writes d_gate, d_up (5 pass
 
 Napkin math (H200, 4.27 TB/s measured copy bandwidth), gate, up 8192x11008 bf16, E = 90.2M
 elements: forward 3 * 2E bytes = 541 MB -> 127 us floor; backward 5 * 2E = 902 MB -> 211 us;
-forward+backward 338 us. Targets: fwd <= 135 us, fwd+bwd <= 375 us.
+forward+backward 338 us. Measured on the H200: SwiGLU fwd 125 us (at the copy floor), fwd+bwd
+332.5 us at a 1024-element tile (`GLU_TILE`; torch.compile 332.7 us), GeGLU(tanh) 333.4 us.
 
 Two calling conventions:
 - separate: `swiglu(gate, up)`, `geglu(gate, up, approximate=...)`, gate and up of equal shape
@@ -23,18 +24,14 @@ once to the input dtype. Eager bf16 rounds twice (after the activation, after th
 the kernel is at least as close to the fp32 result as eager is; the `*_reference` functions are
 the eager formulation (what `apply` compares against and what the CPU fallback runs).
 
-Layers, in order: Triton kernels, launch config, launchers, torch.library custom ops,
-autograd.Functions, public functions, references, registry specs. The activation helper
-`act_and_grad` and the row-view helpers are also used by `kprof.kernels.bias_gelu`.
+Layers, in order: Triton kernels, launchers, torch.library custom ops, autograd.Functions,
+public functions, references, registry specs. The activation helpers (`act_and_grad`,
+`act_fwd`) and the tile helpers (`_tile`, `_ld`, `_st`) are also used by `kprof.kernels.bias_gelu`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
-from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +39,17 @@ import triton
 import triton.language as tl
 
 from kprof.errors import KprofError
-from kprof.kernels.common import FP_FUSION, use_triton, via_custom_op, warn_fallback
+from kprof.kernels.common import (
+    FP_FUSION,
+    StreamConfig,  # noqa: F401  (re-exported: tests and benchmarks reach it as glu.StreamConfig)
+    as_rows,
+    device_ctx,
+    numel,
+    stream_plan,
+    use_triton,
+    via_custom_op,
+    warn_fallback,
+)
 from kprof.kernels._math import LOG2E, exp2_fast, fast_math, rcp_fast, to_f32_fast
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 
@@ -72,8 +79,8 @@ _ERF_Q2 = tl.constexpr(-0.5 * LOG2E.value)
 _ERF_Q0 = tl.constexpr(-0.5 * math.log2(2 * math.pi))
 # Phi(-z sqrt 2) = 0.5 erfc(z) = t * P(t) * phi(g), t = 1 / (1 + p z), z = |g| / sqrt(2): P is a
 # degree-7 fit of 0.5 sqrt(2 pi) erfcx(z) / t over z in [0, 9.5] (past it phi(g) < 2^-126, flushed
-# to zero), minimax in relative error, p chosen with it: benchmarks/fit_erfc.py (2026-11-30).
-# Fit error 8.4e-8 relative in float64 (Numerical Recipes' erfcc, used before: 1.2e-7).
+# to zero), minimax in relative error, p chosen with it: benchmarks/fit_erfc.py. Fit error
+# 8.4e-8 relative in float64.
 _ERFC_P = 0.42998064811070746
 _ERFC_T = tl.constexpr(_ERFC_P / math.sqrt(2))  # t = 1 / (1 + |g| * T)
 _P0, _P1, _P2, _P3, _P4, _P5, _P6, _P7 = (tl.constexpr(c) for c in (
@@ -88,17 +95,14 @@ def _gelu_erf_parts(g, FAST: tl.constexpr):
     pdf = phi(g) = exp(-g^2 / 2) / sqrt(2 pi), each with relative error ~1e-6 everywhere.
 
     h = t * P(t) * pdf with t = 1 / (1 + p |g| / sqrt(2)) and P the degree-7 fit above: phi's
-    exp serves both values, and the tail needs no exp of its own. Numerical Recipes' erfcc, which
-    this replaces, took erfc(z) = t * exp(-z^2 + P9(t)), a degree-9 polynomial in the exponent and
-    a second exp: bias_gelu's erf backward loop 28.8 -> 25.8 SASS instructions per element, forward
-    25.8 -> 23.8; glu's erf backward 34.2 -> 31.3, forward 26.9 -> 24.9 (sm_90a, Triton 3.9,
-    benchmarks/sass_count.py; the bias_gelu kernels are issue-bound, see there).
-    Error in fp32, emulated (numpy; FMA Horner, ex2 within 2^-22): h 7e-7 relative for g in
-    [-4, 0], growing as |q| * 2^-24 (the rounding of phi's exponent) to 5e-6 at g = -10, a term
-    NR's form had too. In the interpreter (exact exp), over g in [-4, 9]: geglu 8.3e-7 relative
-    (NR's: 1.5e-6), its derivative for g > 0 3.2e-7 (2.7e-7). Used instead of 0.5 * (1 + erf(-z)), which cancels: at g = -3 the CDF is 1.3e-3
-    and 1 + erf carries erf's absolute error of ~6e-8, a relative error of 4.4e-5 (770 fp32 ulp;
-    enough to flip 1.3% of bf16 roundings of geglu(erf) at g ~ 3 N(0, 1) on the H200).
+    exp serves both values, and the tail needs no exp of its own (one exp per element: the
+    bias_gelu kernels are issue-bound, see there). Error in fp32, emulated (numpy; FMA Horner,
+    ex2 within 2^-22): h 7e-7 relative for g in [-4, 0], growing as |q| * 2^-24 (the rounding of
+    phi's exponent) to 5e-6 at g = -10. In the interpreter (exact exp), over g in [-4, 9]: geglu
+    8.3e-7 relative, its derivative for g > 0 3.2e-7. Used instead of 0.5 * (1 + erf(-z)), which
+    cancels: at g = -3 the CDF is 1.3e-3 and 1 + erf carries erf's absolute error of ~6e-8, a
+    relative error of 4.4e-5 (770 fp32 ulp; enough to flip 1.3% of bf16 roundings of geglu(erf)
+    at g ~ 3 N(0, 1) on the H200).
     """
     t = rcp_fast(1.0 + tl.abs(g) * _ERFC_T, FAST)
     p = _P7 * t + _P6
@@ -189,11 +193,8 @@ def _tile(pid_m, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     [BLOCK_M, BLOCK_N] tile in row block `pid_m` and column block program_id(0), and the
     in-bounds mask. The grid is (column blocks, row blocks <= 65535) (`StreamConfig.grid`) and
     the kernels loop over row blocks in strides of the grid's rows (once, below 65535 of them).
-    The 1-D grid it replaces split `pid` by a runtime integer division (`pid // n_col_blocks`:
-    I2F.RP, MUFU.RCP, F2I, IMAD.HI and sign fixups, ~30 SASS instructions; sm_90a): the bias_gelu
-    forward is 16-19 instructions per program shorter with the loop, ~1.1 per element of its
-    4096-element tile (issue-bound: ~31 per element at copy bandwidth); glu's kernels, memory-bound
-    at 6-10 bytes per element, within +-12 per program."""
+    A 2-D grid, not a 1-D one split by `pid // n_col_blocks`: that runtime integer division is
+    ~30 SASS instructions (sm_90a), 16-19 per program of the issue-bound bias_gelu forward."""
     rows = tl.arange(0, BLOCK_M).to(tl.int64) + pid_m * BLOCK_M  # pid_m * BLOCK_M < n_rows: no int32 overflow
     cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
@@ -260,88 +261,12 @@ def _glu_bwd_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# 2. Launch configuration and launchers
+# 2. Launchers (tile shape and grid: `common.StreamConfig`, shared with bias_gelu)
 # --------------------------------------------------------------------------------------------
 
-
-@dataclass(frozen=True)
-class StreamConfig:
-    """Tile shape and warps for the elementwise streaming kernels (glu, bias_gelu)."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-
-    # 4096 elements per program: at 8 warps that is 16 elements per thread per tensor, i.e. two
-    # 16-byte vector accesses for bf16 (four for fp32), enough bytes in flight per SM to stream
-    # (inductor's pointwise kernels use 1024-2048 per program at 4-8 warps). H200, 2026-11-29:
-    # SwiGLU fwd 8192x11008 bf16 ran 125 us of kernel time against the 127 us copy floor.
-    TILE = 4096
-
-    @classmethod
-    @functools.lru_cache(maxsize=1024)  # per call otherwise: ~10 us of Python on the H200 host
-    def streaming(cls, n_rows: int, n_cols: int, tile: int | None = None) -> "StreamConfig":
-        """A [block_m, block_n] tile of about `tile` (default TILE) elements; wide rows are split
-        into column blocks (so any row length works), narrow rows are stacked so a program still
-        moves `tile` elements."""
-        tile = tile or cls.TILE
-        block_n = min(triton.next_power_of_2(max(n_cols, 1)), tile)
-        if n_rows > 1 and n_cols > tile:
-            # Rows wider than a tile: take the column block (>= 512) that wastes the fewest
-            # masked lanes on the row's last block, largest on ties. I = 11008: 4096 pads to
-            # 12288 (90% useful), 1024 pads to 11264 (98%) -> 4 rows x 1024.
-            block_n = min((tile >> k for k in range(4)), key=lambda b: (triton.cdiv(n_cols, b) * b, -b))
-        block_m = min(max(tile // block_n, 1), triton.next_power_of_2(max(n_rows, 1)))
-        num_warps = 8 if block_m * block_n >= 4096 else 4
-        return cls(block_m, block_n, num_warps)
-
-    # CUDA's limit on grid y; a launch with more row blocks has each program walk several.
-    MAX_GRID_Y = 65535
-
-    def grid(self, n_rows: int, n_cols: int) -> tuple[int, int]:
-        """(column blocks, row blocks): see `_tile`."""
-        return (triton.cdiv(n_cols, self.block_n), min(triton.cdiv(n_rows, self.block_m), self.MAX_GRID_Y))
-
-
-# The GLU kernels' tile (elements per program; 4 warps below 4096). H200 sweep 2026-11-30 01:22
-# (`glusweep-h200-20261130T0122.txt`, GPU kernel time at 8192x11008 bf16, tiles 1024 / 2048 /
-# 4096 / 8192): SwiGLU fwd+bwd 332.5 / 335.4 / 335.3 / 340.1 us (torch.compile 332.7), GeGLU(tanh)
-# 333.4 / 335.2 / 336.2 / 338.9 us (compile 334.3); forwards 124.1-126.0 alike. bias_gelu's
-# forward keeps StreamConfig.TILE (its sweeps ran at 4096).
+# The GLU kernels' tile (elements per program; 4 warps below 4096): 1024 was the fastest of
+# 1024-8192 on the H200 at 8192x11008 bf16 (SwiGLU fwd+bwd 332.5 us, torch.compile 332.7).
 GLU_TILE = 1024
-
-
-@functools.lru_cache(maxsize=1024)
-def _launch_plan(n_rows: int, n_cols: int, tile: int | None = None) -> tuple[tuple[int, int], int, int, int]:
-    """(grid, block_m, block_n, num_warps) for a streaming launch of about `tile` elements per
-    program (default StreamConfig.TILE), cached on the ints."""
-    cfg = StreamConfig.streaming(n_rows, n_cols, tile)
-    return cfg.grid(n_rows, n_cols), cfg.block_m, cfg.block_n, cfg.num_warps
-
-
-_NO_CTX = contextlib.nullcontext()
-
-
-def device_ctx(t: torch.Tensor):
-    """Launch on t's GPU (Triton launches on the current device). Switching devices only when
-    t is not on the current one: the common single-GPU call skips torch.cuda.device's
-    enter/exit (two device exchanges)."""
-    if t.is_cuda and t.get_device() != torch.cuda.current_device():
-        return torch.cuda.device(t.device)
-    return _NO_CTX
-
-
-def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
-    """A 2-D (rows, n_cols) view of t with unit column stride; copies only if none exists
-    (e.g. a transposed input). Row strides may be anything (halves of a packed tensor, stride-0
-    broadcast rows)."""
-    try:
-        v = t.view(-1, n_cols)
-    except RuntimeError:  # leading dims not collapsible into one row index without a copy
-        v = t.reshape(-1, n_cols).contiguous()
-    if v.stride(1) != 1 and n_cols > 1:
-        v = v.contiguous()
-    return v
 
 
 def _check_dtype(name: str, t: torch.Tensor) -> None:
@@ -402,7 +327,7 @@ def _approx_act(approximate: str) -> int:
 def _launch_fwd(g, u, y, n_rows: int, n_cols: int, sg: int, su: int, sy: int, act: int) -> None:
     """g, u, y: tensors (or views) addressed as (n_rows, n_cols) with unit column stride and
     row strides sg, su, sy."""
-    grid, bm, bn, warps = _launch_plan(n_rows, n_cols, GLU_TILE)
+    grid, bm, bn, warps = stream_plan(n_rows, n_cols, GLU_TILE)
     with device_ctx(y):
         _glu_fwd_kernel[grid](
             g, u, y, n_rows, n_cols, sg, su, sy,
@@ -413,7 +338,7 @@ def _launch_fwd(g, u, y, n_rows: int, n_cols: int, sg: int, su: int, sy: int, ac
 
 
 def _launch_bwd(dy, g, u, dg, du, n_rows: int, n_cols: int, strides: tuple, act: int) -> None:
-    grid, bm, bn, warps = _launch_plan(n_rows, n_cols, GLU_TILE)
+    grid, bm, bn, warps = stream_plan(n_rows, n_cols, GLU_TILE)
     with device_ctx(dy):
         _glu_bwd_kernel[grid](
             dy, g, u, dg, du, n_rows, n_cols, *strides,
@@ -593,7 +518,7 @@ for _op, _fake in (
 
 
 # In-place backward (`grad_in_place=True`): d_gate and d_up written over the saved gate and up.
-# Why: on the 1B Llama step (H200, 2026-11-29, benchmarks/memory_peak.py) kprof's peak came in
+# Why: on the 1B Llama step (H200, benchmarks/memory_peak.py) kprof's peak came in
 # the last MLP's backward, where the new d_gate and d_up (2 x 128 MiB at 8192 tokens x 8192)
 # were alive next to every layer's saved activations: 5.44 GiB above the parameters against
 # Liger's 5.31 (Liger's SwiGLU backward writes its grads over its inputs, as this does).
@@ -836,13 +761,6 @@ def _glu_cost(n_elems: int, dtype: torch.dtype, act: int) -> dict[str, Cost]:
     }
 
 
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
 def _make_spec(name: str, act: int, packed: bool) -> KernelSpec:
     def cost(n_rows: int, n_cols: int, dtype: torch.dtype = torch.bfloat16, approximate: str = "tanh") -> dict[str, Cost]:
         """n_rows x n_cols = shape of gate (= of up = of the output; I = n_cols)."""
@@ -850,7 +768,7 @@ def _make_spec(name: str, act: int, packed: bool) -> KernelSpec:
         return _glu_cost(n_rows * n_cols, dtype, a)
 
     def elems(meta: TensorMeta) -> int:  # gate-sized elements from the op's first tensor input
-        return _numel(meta.shape) // (2 if packed else 1)
+        return numel(meta.shape) // (2 if packed else 1)
 
     fwd_op, bwd_op = f"kprof::{name}_fwd", f"kprof::{name}_bwd"
     # Per-op costs see only tensor metas, not `approximate`: geglu ops are costed as tanh (the
@@ -859,7 +777,7 @@ def _make_spec(name: str, act: int, packed: bool) -> KernelSpec:
     op_costs = {
         fwd_op: lambda metas: _glu_cost(elems(metas[0]), metas[0].dtype, op_act)["fwd"],
         # bwd inputs: (dy, gate, up) or (dy, gu); dy is gate-sized in both layouts
-        bwd_op: lambda metas: _glu_cost(_numel(metas[0].shape), metas[0].dtype, op_act)["bwd"],
+        bwd_op: lambda metas: _glu_cost(numel(metas[0].shape), metas[0].dtype, op_act)["bwd"],
     }
     if not packed:  # the in-place backward moves the same bytes (writes over its inputs)
         op_costs[bwd_op + "_inplace"] = op_costs[bwd_op]

@@ -3,38 +3,18 @@
 Matches `F.layer_norm(x, (N,), weight, bias, eps)`: mean and biased variance in fp32, output
 in x's dtype (the weight and bias may be another float dtype, as under autocast).
 
-Napkin math, H200 (4.27 TB/s measured copy bandwidth), bf16, x of 16384 x 4096 (128 MiB):
-  forward:  read x, write y                 = 2 x 134.2 MB = 268 MB -> floor  63 us
-  backward: read x, dy; write dx            = 3 x 134.2 MB = 403 MB -> floor  94 us
-            (+ the mean pair and rstd 3 x 64 KB, the dweight and dbias partials 2 x 264 x 4096
-            x 4 B = 8.7 MB for half inputs (fp64 for fp32 ones: 17.3 MB), written and read once)
-  targets 70 / 200 us fwd / fwd+bwd; measured 68.7 / 185.5 us (H200, 2026-11-30 03:52, GPU
-  time per call back to back in a CUDA graph; the backward kernel 108.4 us of it, the partials'
-  sum 7.4), from 73.5 / 225 us one call per replay at 02:36. As in rms_norm, the backward is one pass: each
-  program of a persistent grid walks a contiguous chunk of rows, keeps its dweight and dbias
-  partial sums in registers and writes them once; one small kernel (rms_norm.sum_partials)
-  sums the partials of both and writes them in the parameters' dtypes. No atomics: bitwise
-  deterministic on a given device. The forward saves the mean as an fp32 hi/lo pair so the
-  backward's row reduction has two operands, not three. For fp32 inputs the
-  partial sums are fp64 (see rms_norm: fp32 ones failed fp32 dweight against the fp64 reference at 16384x4096 on the
-  H200; half inputs take fp32 per-program partials, rms_norm.HALF_DW_ACC_FP64), so
-  dweight and dbias are the exact sums of the kernel's fp32 terms, rounded once. Register cost
-  (sm_90 ptxas, Triton 3.9, bf16, weight and bias; 2026-11-29, read from cuobjdump's LOCAL,
-  which misses spills ptxas reports as STACK, so these may understate): spill 40 -> 0 B per
-  thread at 781 columns, none at 4096, 0 -> 112 B at 8192, 888 -> 1796 B at 16384, 0 -> 8 B on
-  the looped path; the wide-row cases are not yet measured on the H200. At 4096 columns with
-  STACK read too: see BWD_MAXNREG.
-
-The launch configuration (`RowConfig`, the persistent grid) is shared with rms_norm so both
-norms are tuned in one place. Rows up to MAX_FUSED_N are held in registers (x read once);
-wider rows loop over column tiles and read x three times in the forward (mean, variance,
-output: a corrected two-pass variance, not sum-of-squares, for accuracy when |mean| >> std)
-and twice in the backward.
-
-Knobs (module attributes, read at each launch; `python -m benchmarks.cases.norms ln_bwd`
-compares them on a GPU): BWD_BLOCK_ELEMS / BWD_MAX_WARPS (the backward's block), BWD_PREFETCH (next row block's
-loads before this one's math), BWD_MAXNREG (register cap); in rms_norm, shared: HALF_DW_ACC_FP64, HALF_PARTIALS_FP32,
-PARTIALS_SUM_KERNEL and its tile (PARTIALS_*), BWD_PROGRAMS_PER_SM.
+Why: x of 16384 x 4096 bf16 must move 268 MB forward (63 us floor at the H200's 4.27 TB/s)
+and 403 MB backward (94 us); kprof measures 68.7 us forward and 185.5 us fwd+bwd on the H200
+(targets 70 / 200 us; CUDA-graph time per call, the backward kernel 108.4 us of it). As in
+rms_norm, the backward is one pass: each program of a persistent grid walks a contiguous chunk
+of rows, keeps its dweight and dbias partial sums in registers (fp32 for half inputs, fp64 for
+fp32 ones) and writes them once; one small kernel (rms_norm.sum_partials) sums the partials of
+both in fp64 and writes them in the parameters' dtypes. No atomics: bitwise deterministic on a
+given device. The forward saves the mean as an fp32 hi/lo pair so the backward's row reduction
+has two operands, not three. The launch configuration (`RowConfig`, the persistent grid) is
+shared with rms_norm; rows up to MAX_FUSED_N are held in registers (x read once), wider rows loop
+over column tiles and read x three times in the forward (mean, variance, output: a corrected
+two-pass variance, for accuracy when |mean| >> std) and twice in the backward.
 """
 
 import dataclasses
@@ -49,13 +29,23 @@ import triton.language as tl
 from torch import nn
 
 from kprof.errors import KprofError
-from kprof.kernels.common import FP_FUSION, interpreter_enabled, use_triton, via_custom_op, warn_fallback
+from kprof.kernels.common import (
+    FP_FUSION,
+    interpreter_enabled,
+    num_warps,
+    require_triton,
+    rows_cols,
+    use_triton,
+    via_custom_op,
+    warn_fallback,
+)
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 from kprof.kernels.rms_norm import (
     MAX_FUSED_N,
     RowConfig,
     _acc_zeros,
     _cast,
+    _rows,
     backward_grid,
     dw_acc_f64,
     partials_dtype,
@@ -135,12 +125,9 @@ def _layer_norm_fwd_kernel(
         # ~1e-7 * |mean| * log2(N) (1.2e-4 at mean 1000, N 300: 6e-5 of a std of 2, over the
         # fp32 tolerance); the residuals' sum recovers that error almost exactly.
         # corr and E[xc^2] in one two-operand reduction (one shuffle + shared-memory round instead
-        # of two in sequence): var = E[xc^2] - corr^2, exact in real arithmetic, and corr^2 ~
-        # (1e-7 |mean|)^2 << var, so the subtraction loses nothing. H200, 2026-11-30 02:10
-        # (`normsweep-h200-20261130T0210-fwd.txt`, kernel time at 16384 x 4096 bf16): 74.3 ->
-        # 73.3 us at 8 warps, 68.1 -> 67.3 at 4 (_forward_config). (A one-reduction variant,
-        # per-thread mean and M2 merged by Chan's update, ran 81-85 us; persistent grids with a
-        # next-row prefetch 75-113 us, and evict_first / .cs hints +2 us: all dropped.)
+        # of two in sequence; 68.1 -> 67.3 us on the H200 at 16384 x 4096 bf16): var = E[xc^2] -
+        # corr^2, exact in real arithmetic, and corr^2 ~ (1e-7 |mean|)^2 << var, so the
+        # subtraction loses nothing.
         # TREE_EMU: the interpreter (3.9) runs a combine_fn reduction element by element in
         # sequence (tl.sum is numpy's pairwise sum): at 1823 x 781 fp32 that made this rstd 5x
         # less accurate on the CPU than the GPU's tree (2.2e-7 vs 2.3e-8 relative, emulated), and
@@ -194,8 +181,7 @@ def _layer_norm_fwd_kernel(
 
 @triton.jit
 def _load_rows(DY, X, stride_dy, stride_x, row0, row_end, cols, col_mask, BLOCK_M: tl.constexpr):
-    """dy and x of rows [row0, row0 + BLOCK_M) (those before row_end), in their own dtype: a
-    prefetched block is held as bf16, half the registers of fp32."""
+    """dy and x of rows [row0, row0 + BLOCK_M) (those before row_end), in their own dtype."""
     rows = row0 + tl.arange(0, BLOCK_M)
     rows64 = rows.to(tl.int64)  # row * stride overflows int32 past 2^31 elements
     mask = (rows < row_end)[:, None] & col_mask[None, :]
@@ -214,9 +200,8 @@ def _layer_norm_bwd_kernel(
     COMPUTE_DB: tl.constexpr,
     LOOP: tl.constexpr,
     EMULATE_RTNE: tl.constexpr,
-    ACC_F64: tl.constexpr,  # dw/db partials in fp64 (else fp32): kprof.kernels.rms_norm.HALF_DW_ACC_FP64
+    ACC_F64: tl.constexpr,  # dw/db partials in fp64 (fp32 inputs) or fp32 (half inputs)
     TREE_EMU: tl.constexpr,  # interpreter only: multi-operand reductions as separate tl.sum (see the forward)
-    PREFETCH: tl.constexpr,  # in-register path: load the next row block before this one's math (BWD_PREFETCH)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -239,22 +224,13 @@ def _layer_norm_bwd_kernel(
             w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
         dw_acc = _acc_zeros(BLOCK_N, ACC_F64)
         db_acc = _acc_zeros(BLOCK_N, ACC_F64)
-        if PREFETCH:
-            dy_next, x_next = _load_rows(DY, X, stride_dy, stride_x, row_start, row_end, cols, col_mask, BLOCK_M)
         for row0 in range(row_start, row_end, BLOCK_M):
             rows = row0 + tl.arange(0, BLOCK_M)
             row_mask = rows < row_end
             rows64 = rows.to(tl.int64)
             mask = row_mask[:, None] & col_mask[None, :]
-            if PREFETCH:
-                # The next block's loads go out before this block's reduction and its barrier:
-                # ~2 blocks in flight per program at 2 programs per SM (the last one's are masked
-                # off: rows >= row_end). Costs the prefetched block's registers (bf16).
-                dy, x = dy_next.to(tl.float32), x_next.to(tl.float32)
-                dy_next, x_next = _load_rows(DY, X, stride_dy, stride_x, row0 + BLOCK_M, row_end, cols, col_mask, BLOCK_M)
-            else:
-                dy, x = _load_rows(DY, X, stride_dy, stride_x, row0, row_end, cols, col_mask, BLOCK_M)
-                dy, x = dy.to(tl.float32), x.to(tl.float32)
+            dy, x = _load_rows(DY, X, stride_dy, stride_x, row0, row_end, cols, col_mask, BLOCK_M)
+            dy, x = dy.to(tl.float32), x.to(tl.float32)
             mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
             rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
             if HAS_WEIGHT:
@@ -262,10 +238,8 @@ def _layer_norm_bwd_kernel(
             else:
                 g = dy
             # x - hi - lo is the forward's x - mean to within one rounding of the difference, so
-            # x_hat needs no re-centering sum: two row sums, not three (the rounded mean alone needed
-            # corr = mean(x - hi) as a third operand of the reduction: 200.0 vs 197.5 us fwd+bwd,
-            # 2026-11-30 03:49; removed). Padding: g = 0 on masked columns (no dx stored, no dw/db),
-            # x_hat = 0 on masked rows (rstd = 0).
+            # x_hat needs no re-centering sum: two row sums, not three. Padding: g = 0 on masked
+            # columns (no dx stored, no dw/db), x_hat = 0 on masked rows (rstd = 0).
             lo = tl.load(MEAN + n_rows + rows, mask=row_mask, other=0.0)
             x_hat = (x - mean[:, None] - lo[:, None]) * rstd[:, None]
             s_gxh, s_g = _row_sums2(g * x_hat, g, TREE_EMU)
@@ -355,38 +329,14 @@ def _layer_norm_bwd_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-# The backward's launch: 8192 elements per block (2 rows of 4096) over at most 4 warps, where
-# RMSNorm's backward takes 8. LayerNorm's backward, after its three row sums became one
-# multi-operand reduction, swept on the H200 (2026-11-29 21:55 UTC, fwd+bwd GPU time at 16384 x
-# 4096 bf16, fp32 partials, 2 programs/SM): 8192 x 4 warps 218.5 us, 4096 x 4 225.4, 4096 x 8
-# 227.1, 8192 x 8 246.7; 3 or 4 programs/SM 246-294. (Three separate reductions: 250.9 at best.)
-# After the mean pair and the one-launch second stage (2026-11-30 03:49, `normsweep-h200-
-# 20261130T0349-ln-bwd.txt`, fwd+bwd at 16384 x 4096 bf16, CUDA-graph time per call): 2 x 4096 at
-# 4 warps 197.5 us (backward kernel 121.9: 255 registers, 2 programs of 4 warps per SM); at 8
-# warps with a 128-register cap 184.5 (kernel 108.4: 2 programs of 8 warps per SM); with a next-
-# block prefetch 1 x 4096 at 4 warps 184.6, at 8 warps capped 185.1, 16 warps 184.7; 1 x 4096
-# without prefetch 202-204; 2 x 4096 at 4 warps with prefetch 307 (spills).
+# The backward's launch: 8192 elements per block (2 rows of 4096) at 8 warps under a 128-register
+# cap (ptxas .maxnreg), so that 2 programs of 8 warps share an SM (65536 / 256 threads / 2): the
+# fastest measured on the H200 at 16384 x 4096 bf16, fwd+bwd 184.5 us (backward kernel 108.4 us)
+# against 197.5 us at 4 warps uncapped (255 registers), with 8 B of spill. The cap applies to
+# bf16/fp16 inputs only: fp32 ones hold twice the bytes per element and fp64 weight-grad
+# partials, and were not measured under a cap.
 BWD_BLOCK_ELEMS = 8192
 BWD_MAX_WARPS = 8
-
-# (The backward takes x_hat from the forward's mean pair (hi + lo) with two row sums per row
-# block, (g * x_hat, g), where it re-centered on the rounded mean with a third, mean(x - hi),
-# until 2026-11-30: as accurate, one operand less in the block's reduction (SHFL 42 -> 28, BAR
-# 4 -> 3 per block; ptxas sm_90a, Triton 3.9, bf16, 2 x 4096 at 4 warps: loop body 1375 -> 1221
-# SASS instructions) and 197.5 vs 200.0 us fwd+bwd on the H200; the three-sum path was removed.)
-# In-register path: load row block i+1's dy and x (bf16) before block i's reductions, so a
-# program keeps loads in flight across its reduction barrier (2 programs of 4 warps per SM leave
-# little else to hide the latency). Costs the prefetched block's registers: ptxas (as above)
-# 255 registers and 320 B of spill stack per thread at 4 warps, 206 registers at 8 (no spill).
-# Off by default until the H200 sweep says otherwise (the forward's persistent prefetch lost:
-# 75-113 us vs 67).
-BWD_PREFETCH = False
-# Register cap for the backward (ptxas .maxnreg; None: ptxas's choice), so that 2 programs fit an
-# SM (65536 / threads per program / 2: 128 at 8 warps). 1 row x 8 warps with BWD_PREFETCH: 162
-# registers uncapped (1 program per SM), 124 and no spill at 128; 2 rows x 8 warps without: 166
-# uncapped, 128 + 8 B spill capped (ptxas sm_90a, bf16, weight and bias): the default, fastest
-# measured (above) spill and all. Applied to bf16/fp16 inputs only: fp32 ones hold twice the
-# bytes per element and fp64 weight-grad partials, and were not measured under a cap.
 BWD_MAXNREG: Optional[int] = 128
 
 
@@ -411,37 +361,22 @@ def _check(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch
             raise KprofError(f"layer_norm: x is on {x.device} but {name} is on {p.device}; move them together")
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """(..., N) -> (M, N) with unit column stride (copies only if it has to)."""
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
-def _require_triton(t: torch.Tensor, op: str) -> None:
-    if not use_triton(t):
-        raise KprofError(
-            f"{op}: Triton needs a CUDA tensor (or TRITON_INTERPRET=1 for CPU tensors); got a tensor on {t.device}. "
-            "Call the public function instead, which falls back to the PyTorch reference."
-        )
-
-
 @functools.lru_cache(maxsize=256)
 def _forward_config(n_cols: int) -> RowConfig:
     """RowConfig.forward with LayerNorm's own warp count: ~32 elements a thread (4 warps for a
-    4096-wide row), where RMSNorm takes ~16 (8 warps). H200 sweep 2026-11-30 02:10 (kernel time,
-    16384 x 4096 bf16): 73.3 -> 67.3 us from 8 to 4 warps; 2 rows x 8 warps (32 a thread too)
-    67.6; 16 warps 93.7. RMSNorm's forward measured 66.3 us at 8 warps, 67.2 at 4."""
+    4096-wide row), where RMSNorm takes ~16 (8 warps): 73.3 -> 67.3 us from 8 to 4 warps on the
+    H200 at 16384 x 4096 bf16 (16 warps 93.7)."""
     cfg = RowConfig.forward(n_cols)
     if cfg.loop:
         return cfg
-    return dataclasses.replace(cfg, num_warps=max(4, min(16, cfg.block_m * cfg.block_n // 1024)))
+    return dataclasses.replace(cfg, num_warps=num_warps(cfg.block_m * cfg.block_n, per_thread=32))
 
 
 def _launch_fwd(x, weight, bias, eps):
     """(y, stats): stats is fp32 [3, *x.shape[:-1]], per row the mean as a (hi, lo) pair
     (_store_mean_pair) and rstd. One tensor, one allocation: the host's cost per call is what
-    the eager wall time is made of (see _common.via_custom_op)."""
-    _require_triton(x, "layer_norm")
+    the eager wall time is made of (see common.via_custom_op)."""
+    require_triton(x, "layer_norm")
     n_cols = x.shape[-1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     stats = torch.empty((3, *x.shape[:-1]), dtype=torch.float32, device=x.device)
@@ -468,7 +403,7 @@ def _launch_fwd(x, weight, bias, eps):
 def _launch_bwd(dy, x, weight, stats, dw_dtype, db_dtype):
     """(dx, dweight, dbias): dweight in `dw_dtype` and dbias in `db_dtype`, shape (N,), or fp32
     of shape (0,) where that dtype is None (not asked for)."""
-    _require_triton(x, "layer_norm backward")
+    require_triton(x, "layer_norm backward")
     n_cols = x.shape[-1]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     compute_dw, compute_db = dw_dtype is not None, db_dtype is not None
@@ -492,7 +427,7 @@ def _launch_bwd(dy, x, weight, stats, dw_dtype, db_dtype):
         n_rows, n_cols, rows_per_program,
         HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, LOOP=cfg.loop,
         EMULATE_RTNE=interpreter_enabled(), ACC_F64=dw_acc_f64(x.dtype),
-        TREE_EMU=interpreter_enabled(), PREFETCH=BWD_PREFETCH,
+        TREE_EMU=interpreter_enabled(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         maxnreg=BWD_MAXNREG if x.element_size() == 2 else None,
         **FP_FUSION,
@@ -556,7 +491,7 @@ def _(dy, x, weight, stats, dw_dtype, db_dtype):
 class _LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
-        fwd = torch.ops.kprof.layer_norm_fwd if via_custom_op() else _launch_fwd  # see _common.via_custom_op
+        fwd = torch.ops.kprof.layer_norm_fwd if via_custom_op() else _launch_fwd  # see common.via_custom_op
         y, stats = fwd(x, weight, bias, eps)
         ctx.save_for_backward(x, weight, stats)
         ctx.w_dtype = weight.dtype if weight is not None else None
@@ -660,10 +595,6 @@ def layer_norm_reference(
 _FWD_FLOPS, _BWD_FLOPS = 9, 14
 
 
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def layer_norm_cost(
     n_rows: int,
     n_cols: int,
@@ -674,17 +605,13 @@ def layer_norm_cost(
 ) -> dict[str, Cost]:
     """Minimal bytes (each input read once, each output written once) and FLOPs."""
     elems = n_rows * n_cols
-    xs = _size(dtype)
-    params = (int(has_weight) + int(has_bias)) * n_cols * _size(weight_dtype or dtype)
+    xs = dtype.itemsize
+    params = (int(has_weight) + int(has_bias)) * n_cols * (weight_dtype or dtype).itemsize
     stats = 3 * n_rows * 4  # the mean pair (hi, lo) and rstd, fp32
     fwd = Cost(_FWD_FLOPS * elems, 2 * elems * xs + params + stats)  # x, w, b -> y, stats
-    w_read = n_cols * _size(weight_dtype or dtype) if has_weight else 0
+    w_read = n_cols * (weight_dtype or dtype).itemsize if has_weight else 0
     bwd = Cost(_BWD_FLOPS * elems, 3 * elems * xs + w_read + stats + params)  # dy, x, w, stats -> dx, dw, db
     return {"fwd": fwd, "bwd": bwd}
-
-
-def _rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
-    return math.prod(shape[:-1]), (shape[-1] if shape else 1)
 
 
 def _is_param(m: Optional[TensorMeta], n_cols: int) -> bool:
@@ -695,10 +622,10 @@ def _fwd_op_cost(metas: list[TensorMeta]) -> Cost:
     # (x, weight?, bias?): a None parameter may be absent from the trace or recorded with an
     # empty shape, so parameters are recognized by their shape (N,).
     x = metas[0]
-    n_rows, n_cols = _rows_cols(x.shape)
+    n_rows, n_cols = rows_cols(x.shape)
     params = [m for m in metas[1:3] if _is_param(m, n_cols)]
     elems = n_rows * n_cols
-    nbytes = 2 * elems * _size(x.dtype) + sum(n_cols * _size(m.dtype) for m in params) + 3 * n_rows * 4
+    nbytes = 2 * elems * x.dtype.itemsize + sum(n_cols * m.dtype.itemsize for m in params) + 3 * n_rows * 4
     return Cost((_FWD_FLOPS - 2 + len(params)) * elems, nbytes)
 
 
@@ -707,7 +634,7 @@ def _bwd_op_cost(metas: list[TensorMeta]) -> Cost:
     # Whether dbias is computed is a dtype argument, not a tensor in the trace: assumed present
     # with the weight (the nn.LayerNorm default).
     x = metas[1]
-    n_rows, n_cols = _rows_cols(x.shape)
+    n_rows, n_cols = rows_cols(x.shape)
     w = metas[2] if len(metas) >= 4 and _is_param(metas[2], n_cols) else None
     c = layer_norm_cost(n_rows, n_cols, x.dtype, w.dtype if w is not None else None, w is not None, w is not None)
     return c["bwd"]

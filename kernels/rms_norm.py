@@ -9,33 +9,19 @@ Replaces the eager HF formulation
 which launches ~7 kernels forward and ~10 backward, each a full pass over the activations.
 Here the forward is one kernel and the backward one kernel plus a tiny reduction.
 
-Napkin math, H200 (4.27 TB/s measured copy bandwidth), bf16, x of 16384 x 4096 (128 MiB):
-  forward:  read x, write y                 = 2 x 134.2 MB = 268 MB -> floor  63 us
-  backward: read x, dy; write dx            = 3 x 134.2 MB = 403 MB -> floor  94 us
-            (+ rstd 64 KB, weight 8 KB, the dweight partials 264 x 4096 x 4 B = 4.3 MB twice;
-            8 B each before HALF_PARTIALS_FP32)
-  fwd+bwd floor 157 us; kprof targets 70 / 200 us (Liger 0.6: 70 / 680 us; torch.compile
-  132 / 739 us, figures from the issue). The backward reaches one pass because dweight is
-  accumulated per program in registers over a contiguous chunk of rows (persistent grid of
-  ~2 programs per SM) and the [n_programs, N] partials are summed afterwards by one small
-  kernel in a fixed order (`sum_partials`, shared with layer_norm): no atomics, so it is
-  bitwise deterministic on a given device.
-
-dweight precision: for fp32 inputs the fp32 terms dy * x_hat are accumulated in fp64 (per
-program, and across programs), then rounded once; half-precision inputs accumulate each
-program's rows in fp32 and the programs' partials in fp64 (HALF_DW_ACC_FP64, measured
-faster). With fp32 partials, fp32 dweight failed the fp64 reference on the
-H200 (2026-11-29) at 1823x781 and 16384x4096: the rounding of a running fp32 sum over the
-rows grows with the row count, not with |dweight|, and near-zero columns have only the fp32
-atol. Now dweight is the exact sum of the kernel's own fp32 terms (tests check this). Cost,
-sm_90 ptxas (Triton 3.9): registers per thread unchanged or lower up to 8192 columns (the fp64
-accumulator is one [BLOCK_N] row, reduced over the block's rows each step, where the fp32 one
-was [BLOCK_M, BLOCK_N]); at 16384 columns the spill grows from 188 to 472 B per thread (bf16),
-not yet measured on the H200.
-
-Regimes (see `RowConfig`): rows up to MAX_FUSED_N columns are held whole in registers (x is
-read once); wider rows loop over BLOCK_N-column tiles and read x twice per pass (the second
-read mostly hits L2: one row is at most a few hundred KB).
+Why: x of 16384 x 4096 bf16 (128 MiB) must move 268 MB forward (read x, write y: 63 us at the
+H200's 4.27 TB/s copy bandwidth) and 403 MB backward (read x, dy, write dx: 94 us), a 157 us
+fwd+bwd floor; Liger 0.6 takes 70 / 680 us and torch.compile 132 / 739 us. kprof measures 66 us
+forward and 175 us fwd+bwd on the H200. The backward reaches one pass because dweight is
+accumulated per program in registers over a contiguous chunk of rows (a persistent grid of
+BWD_PROGRAMS_PER_SM programs per SM), and the [n_programs, N] partials are summed afterwards by one
+small kernel in a fixed order (`sum_partials`, shared with layer_norm): no atomics, so it is bitwise
+deterministic on a given device. Partials are fp32 for half inputs (per-program sums over ~62 rows
+stay ~1e-5 relative; fp64 ones cost 219 vs 182 us) and fp64 for fp32 inputs (fp32 ones failed fp32
+dweight against the fp64 reference at 16384x4096); the second stage adds them in fp64 and rounds
+once, so dweight is the exact sum of the kernel's own fp32 terms (tests check this). Rows up to
+MAX_FUSED_N columns are held whole in registers (x read once); wider rows loop over LOOP_BLOCK_N
+tiles and read x twice per pass (the second read mostly from L2).
 
 Layers, in order: Triton kernels, launchers, torch.library custom ops, autograd.Functions,
 public functions, the `RMSNorm` module, the PyTorch references, the registry entries.
@@ -52,7 +38,19 @@ import triton.language as tl
 from torch import nn
 
 from kprof.errors import KprofError
-from kprof.kernels.common import FP_FUSION, interpreter_enabled, use_triton, via_custom_op, warn_fallback
+from kprof.kernels.common import (
+    FP_FUSION,
+    as_rows,
+    interpreter_enabled,
+    num_warps,
+    persistent_programs,
+    require_triton,
+    row_tile,
+    rows_cols,
+    use_triton,
+    via_custom_op,
+    warn_fallback,
+)
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -156,7 +154,7 @@ def _rms_norm_fwd_kernel(
 
 @triton.jit
 def _acc_zeros(BLOCK_N: tl.constexpr, ACC_F64: tl.constexpr):
-    """A zero row of weight-grad partials in fp64 or fp32 (HALF_DW_ACC_FP64); shared with layer_norm."""
+    """A zero row of weight-grad partials in fp64 (fp32 inputs) or fp32 (half inputs); shared with layer_norm."""
     if ACC_F64:
         z = tl.zeros([BLOCK_N], dtype=tl.float64)
     else:
@@ -172,7 +170,7 @@ def _rms_norm_bwd_kernel(
     HAS_DS: tl.constexpr,  # add the gradient of the residual-sum output (fused add variant)
     LOOP: tl.constexpr,
     EMULATE_RTNE: tl.constexpr,
-    ACC_F64: tl.constexpr,  # dw partials accumulated in fp64 (else fp32; see HALF_DW_ACC_FP64)
+    ACC_F64: tl.constexpr,  # dw partials accumulated in fp64 (fp32 inputs) or fp32 (half inputs)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -269,8 +267,8 @@ def _partials_sum_kernel(
     """Second stage of the weight-grad reductions: OUT[c] = sum over p of PART[p, c] for BLOCK_N
     columns per program (and OUT2 from PART2), shared by rms_norm and layer_norm.
 
-    Summed in fp64 whatever the partials' dtype (fp64 for fp32 inputs, fp32 for half inputs:
-    HALF_PARTIALS_FP32), in a fixed order (a [BLOCK_P, BLOCK_N] running sum over the partial
+    Summed in fp64 whatever the partials' dtype (fp64 for fp32 inputs, fp32 for half inputs),
+    in a fixed order (a [BLOCK_P, BLOCK_N] running sum over the partial
     rows, then one tree over BLOCK_P), so bitwise deterministic; rounded once to fp32, then to
     OUT's dtype (fp64 -> fp32 -> bf16, the double rounding torch's `.to` does from fp64 too).
     """
@@ -303,78 +301,42 @@ def _partials_sum_kernel(
 # of takes the one-read path. Wider rows loop over LOOP_BLOCK_N-column tiles.
 MAX_FUSED_N = 16384
 LOOP_BLOCK_N = 4096
-# Elements per block: forward ~4096 (one 4096-wide row, 16 elements = two 16-byte bf16
-# vectors per thread at 8 warps); the backward 8192 (2 rows of 4096) at no more than 8 warps.
-# Swept on the H200 at 16384 x 4096 bf16 (benchmarks/cases/norms.py, GPU kernel time of fwd+bwd,
-# 2026-11-29 21:37 UTC, fp32 dw partials): 8192 elements x 8 warps x 2 programs/SM 181.5 us;
-# 16 warps (the old auto pick) 212.3; 4096 x 8 warps 197.9; 4 programs/SM 192.9. The forward
-# was flat (71-80 us at every setting). LayerNorm picks its own backward block (layer_norm.py).
-# Forward, re-swept 2026-11-30 02:10 (`normsweep-h200-20261130T0210-fwd.txt`, kernel time): 66.3 us
-# here, 65.7 at 8192 elements, 67.2 at 4 warps, 80.3 at 16; a persistent grid loading the next row
-# block before the current one's reduction 71.8-102 us (1-8 programs per SM), evict_first / .cs
-# hints +2 us. None kept. (LayerNorm's forward takes 4 warps: layer_norm._forward_config.)
+# Elements per block: forward ~4096 (one 4096-wide row, 16 elements = two 16-byte bf16 vectors
+# per thread at 8 warps); backward 8192 (2 rows of 4096) at no more than 8 warps. Best of the H200
+# sweeps at 16384 x 4096 bf16 (benchmarks/cases/norms.py): forward 66.3 us, fwd+bwd 181.5 us;
+# 16 warps in the backward 212.3 us. LayerNorm picks its own (layer_norm.py).
 FWD_BLOCK_ELEMS = 4096
 BWD_BLOCK_ELEMS = 8192
 BWD_MAX_WARPS = 8
 MAX_BLOCK_M = 64
-# Persistent backward grid: programs per SM. The fp64 dw partial buffer is
-# n_programs x N x 8 bytes (264 x 4096 x 8 = 8.7 MB on an H200), written and read once.
+# Persistent backward grid: programs per SM (4 per SM measured 192.9 us against 181.5).
 BWD_PROGRAMS_PER_SM = 2
-# The interpreter (CPU CI) has no SMs; 4 programs exercise the cross-program dw reduction.
-INTERPRETER_SM_COUNT = 4
 
-
-# Per-program weight-grad accumulators for half-precision inputs: fp32 (default) or fp64. The
-# cross-program stage is fp64 either way, and fp32 inputs always take fp64 (their table is 2e-5).
-# fp32 over one program's rows (~62 at 16384 x 4096) stays ~1e-5 relative, far inside the bf16/
-# fp16 tolerances (tested both ways). Why fp32: ncu on the H200 put the fp64 backward at 98
-# registers a thread and 25% occupancy (52% of DRAM peak); ptxas (sm_90a) drops RMSNorm's from 81
-# to 58 at 1 row x 16 warps. Measured by the norm sweep (H200, 2026-11-29, fwd+bwd GPU time at
-# 16384 x 4096 bf16, same launch config): RMSNorm 219.1 -> 181.5 us, LayerNorm 371.9 -> 250.9 us.
-HALF_DW_ACC_FP64 = False
-
-
-def dw_acc_f64(dtype: torch.dtype) -> bool:
-    return dtype not in (torch.float16, torch.bfloat16) or HALF_DW_ACC_FP64
-
-
-# The [n_programs, N] partial rows are stored in their accumulator's dtype: fp32 for half inputs
-# (HALF_DW_ACC_FP64 off), so 264 x 4096 x 4 B = 4.3 MB per buffer is written and read instead of
-# 8.7 MB (LayerNorm has two: 17.3 -> 8.7 MB each way, ~4 us at 4.27 TB/s). Nothing is lost: the
-# partials are fp32 sums either way (fp64 buffers held them exactly) and the second stage still
-# adds them in fp64. False: fp64 buffers always. H200 2026-11-30 03:49 (`normsweep-h200-20261130T0349-
-# ln-bwd.txt`, LayerNorm fwd+bwd graph time): 197.5 us fp32 buffers, 198.8 fp64 (within noise).
-HALF_PARTIALS_FP32 = True
-
-# Second stage in one Triton launch (_partials_sum_kernel) instead of torch's `sum(0)` plus
-# casts: `dw_part.sum(0).float()` and the cast to the parameter's dtype are 2-3 small kernels per
-# buffer (LayerNorm: ~6 after its backward, each ~3-5 us of GPU time at 264 x 4096 fp64 plus a
-# launch gap). False: the torch path (same order-independent fp64 sum; results equal but for
-# fp64 rounding order). Swept by `python -m benchmarks.cases.norms ln_bwd`; H200 2026-11-30 03:49
-# (fwd+bwd graph time at 16384 x 4096 bf16): LayerNorm 229.0 -> 197.5 us (torch's reductions and
-# casts 24 us of kernels, this one 7.4 us), RMSNorm 191.8 -> 175.1 us.
-PARTIALS_SUM_KERNEL = True
-# Its tile: all partial rows of a column block at once (BLOCK_P = next power of 2 of n_programs,
-# at most PARTIALS_MAX_BLOCK_P; more rows loop) over PARTIALS_BLOCK_ELEMS / BLOCK_P columns:
-# 264 programs -> [512, 8] tiles, 512 programs at 4096 columns, each one load per buffer deep
-# (the stage is latency-bound: 4.3-8.7 MB per buffer spread over the whole GPU).
+# Second stage of the weight-grad reductions in one Triton launch instead of torch's `sum(0)`
+# plus casts (2-3 small kernels per buffer): LayerNorm fwd+bwd 229.0 -> 197.5 us, RMSNorm
+# 191.8 -> 175.1 us on the H200. Its tile: all partial rows of a column block at once (BLOCK_P =
+# next power of 2 of n_programs, at most PARTIALS_MAX_BLOCK_P; more rows loop) over
+# PARTIALS_BLOCK_ELEMS / BLOCK_P columns: 264 programs -> [512, 8] tiles, each one load per
+# buffer deep (the stage is latency-bound: 4.3-8.7 MB per buffer spread over the whole GPU).
 PARTIALS_BLOCK_ELEMS = 4096
 PARTIALS_MAX_BLOCK_P = 512
 PARTIALS_NUM_WARPS = 4
 
 
+def dw_acc_f64(dtype: torch.dtype) -> bool:
+    """Whether weight-grad partials are accumulated (and stored) in fp64: fp32 inputs only."""
+    return dtype not in (torch.float16, torch.bfloat16)
+
+
 def partials_dtype(dtype: torch.dtype) -> torch.dtype:
-    """dtype of the [n_programs, N] weight-grad partials for inputs of `dtype` (see HALF_PARTIALS_FP32)."""
-    return torch.float64 if dw_acc_f64(dtype) or not HALF_PARTIALS_FP32 else torch.float32
+    """dtype of the [n_programs, N] weight-grad partials for inputs of `dtype`."""
+    return torch.float64 if dw_acc_f64(dtype) else torch.float32
 
 
 def sum_partials(*parts: tuple[torch.Tensor, torch.dtype]) -> list[torch.Tensor]:
     """Second stage of the weight-grad reductions: each (partials [n_programs, N], dtype) ->
     the column sums (N,) in `dtype`, summed in fp64 in a fixed order (bitwise deterministic) and
-    rounded once to fp32 before `dtype`. One or two buffers of the same shape, one launch
-    (PARTIALS_SUM_KERNEL) or torch's reductions."""
-    if not PARTIALS_SUM_KERNEL:
-        return [p.sum(0, dtype=torch.float64).float().to(dt) for p, dt in parts]
+    rounded once to fp32 before `dtype`. One or two buffers of the same shape, one launch."""
     assert 1 <= len(parts) <= 2 and all(p.shape == parts[0][0].shape for p, _ in parts)
     n_parts, n_cols = parts[0][0].shape
     outs = [torch.empty(n_cols, dtype=dt, device=p.device) for p, dt in parts]
@@ -390,14 +352,10 @@ def sum_partials(*parts: tuple[torch.Tensor, torch.dtype]) -> list[torch.Tensor]
     return outs
 
 
-def _num_warps(block_elems: int) -> int:
-    # ~16 elements per thread (two 16-byte vectors of bf16), between 4 and 16 warps.
-    return max(4, min(16, block_elems // 512))
-
-
 @dataclass(frozen=True)
 class RowConfig:
-    """Launch parameters of a row-wise kernel (shared by rms_norm and layer_norm)."""
+    """Launch parameters of the norms' row-wise kernels (shared by rms_norm and layer_norm),
+    from the shared helpers `common.row_tile` and `common.num_warps`."""
 
     block_m: int  # rows per block
     block_n: int  # columns per block: the whole row (a power of 2) unless `loop`
@@ -407,10 +365,9 @@ class RowConfig:
     @staticmethod
     def _for(n_cols: int, block_elems: int, max_warps: int = 16) -> "RowConfig":
         if n_cols > MAX_FUSED_N:
-            return RowConfig(1, LOOP_BLOCK_N, min(max_warps, _num_warps(LOOP_BLOCK_N)), True)
-        block_n = triton.next_power_of_2(max(n_cols, 1))
-        block_m = max(1, min(MAX_BLOCK_M, block_elems // block_n))
-        return RowConfig(block_m, block_n, min(max_warps, _num_warps(block_m * block_n)), False)
+            return RowConfig(1, LOOP_BLOCK_N, num_warps(LOOP_BLOCK_N, max_warps=max_warps), True)
+        block_m, block_n = row_tile(n_cols, block_elems, MAX_BLOCK_M)
+        return RowConfig(block_m, block_n, num_warps(block_m * block_n, max_warps=max_warps), False)
 
     @staticmethod
     @lru_cache(maxsize=256)
@@ -426,18 +383,11 @@ class RowConfig:
         return RowConfig._for(n_cols, block_elems or BWD_BLOCK_ELEMS, max_warps or BWD_MAX_WARPS)
 
 
-@lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return INTERPRETER_SM_COUNT
-
-
 def backward_grid(n_rows: int, cfg: RowConfig, device: torch.device) -> tuple[int, int]:
     """(n_programs, rows_per_program) of the persistent backward; rows_per_program is a
     multiple of block_m so blocks never straddle two programs."""
     n_blocks = triton.cdiv(n_rows, cfg.block_m)
-    n_programs = max(1, min(n_blocks, _sm_count(device) * BWD_PROGRAMS_PER_SM))
+    n_programs = persistent_programs(n_blocks, device, BWD_PROGRAMS_PER_SM)
     return n_programs, triton.cdiv(n_blocks, n_programs) * cfg.block_m
 
 
@@ -480,20 +430,11 @@ def _out_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype, casting: str) -> torc
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """(..., N) -> (M, N) with unit column stride (copies only if it has to)."""
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
-def _require_triton(t: torch.Tensor, op: str) -> None:
-    if not use_triton(t):
-        raise KprofError(
-            f"{op}: Triton needs a CUDA tensor (or TRITON_INTERPRET=1 for CPU tensors); got a tensor on {t.device}. "
-            "Call the public function instead, which falls back to the PyTorch reference."
-        )
+    return as_rows(t, t.shape[-1])
 
 
 def _launch_fwd(x, residual, weight, eps, offset, casting):
-    _require_triton(x, "rms_norm")
+    require_triton(x, "rms_norm")
     n_cols = x.shape[-1]
     y = torch.empty(x.shape, dtype=_out_dtype(x.dtype, weight.dtype, casting), device=x.device)
     s = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
@@ -519,7 +460,7 @@ def _launch_fwd(x, residual, weight, eps, offset, casting):
 
 
 def _launch_bwd(dy, x, weight, rstd, ds, offset):
-    _require_triton(x, "rms_norm backward")
+    require_triton(x, "rms_norm backward")
     n_cols = x.shape[-1]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:
@@ -603,7 +544,7 @@ class _RMSNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, eps, offset, casting):
         if via_custom_op():
             y, rstd = torch.ops.kprof.rms_norm_fwd(x, weight, eps, offset, casting)
-        else:  # eager: skip the custom-op dispatch (host cost, see _common.via_custom_op)
+        else:  # eager: skip the custom-op dispatch (host cost, see common.via_custom_op)
             y, _, rstd = _launch_fwd(x, None, weight, eps, offset, casting)
         ctx.save_for_backward(x, weight, rstd)
         ctx.offset = offset
@@ -778,10 +719,6 @@ def rms_norm_add_reference(
 _FWD_FLOPS, _BWD_FLOPS = 4, 9
 
 
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def rms_norm_cost(
     n_rows: int,
     n_cols: int,
@@ -793,7 +730,7 @@ def rms_norm_cost(
     """Minimal bytes (each input read once, each output written once) and FLOPs."""
     wdt = weight_dtype or dtype
     elems = n_rows * n_cols
-    xs, ws, ys = _size(dtype), _size(wdt), _size(_out_dtype(dtype, wdt, casting))
+    xs, ws, ys = dtype.itemsize, wdt.itemsize, _out_dtype(dtype, wdt, casting).itemsize
     rstd = n_rows * 4
     fwd_bytes = elems * xs + n_cols * ws + elems * ys + rstd  # x, w -> y, rstd
     bwd_bytes = elems * ys + elems * xs + n_cols * ws + rstd + elems * xs + n_cols * ws  # dy, x, w, rstd -> dx, dw
@@ -816,32 +753,28 @@ def rms_norm_add_cost(
     return rms_norm_cost(n_rows, n_cols, dtype, weight_dtype, casting, residual=True)
 
 
-def _rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
-    return math.prod(shape[:-1]), (shape[-1] if shape else 1)
-
-
 def _fwd_op_cost(metas: list[TensorMeta]) -> Cost:
     # (x, weight). The casting is not a tensor argument, so the output dtype is assumed to be
     # llama's promote(x, weight); it differs from gemma's only when x and weight dtypes differ.
     x, w = metas[0], metas[1]
-    return rms_norm_cost(*_rows_cols(x.shape), x.dtype, w.dtype)["fwd"]
+    return rms_norm_cost(*rows_cols(x.shape), x.dtype, w.dtype)["fwd"]
 
 
 def _add_fwd_op_cost(metas: list[TensorMeta]) -> Cost:
     x, w = metas[0], metas[2]  # (x, residual, weight)
-    return rms_norm_cost(*_rows_cols(x.shape), x.dtype, w.dtype, residual=True)["fwd"]
+    return rms_norm_cost(*rows_cols(x.shape), x.dtype, w.dtype, residual=True)["fwd"]
 
 
 def _bwd_op_cost(metas: list[TensorMeta]) -> Cost:
     # (dy, x, weight, rstd[, ds]); a None ds may be absent or recorded with another shape.
     dy, x, w = metas[0], metas[1], metas[2]
-    n_rows, n_cols = _rows_cols(x.shape)
+    n_rows, n_cols = rows_cols(x.shape)
     has_ds = any(m is not None and tuple(m.shape) == tuple(x.shape) for m in metas[4:5])
     elems = n_rows * n_cols
-    nbytes = elems * (_size(dy.dtype) + 2 * _size(x.dtype)) + 2 * n_cols * _size(w.dtype) + n_rows * 4
+    nbytes = elems * (dy.dtype.itemsize + 2 * x.dtype.itemsize) + 2 * n_cols * w.dtype.itemsize + n_rows * 4
     flops = _BWD_FLOPS * elems
     if has_ds:
-        nbytes += elems * _size(x.dtype)
+        nbytes += elems * x.dtype.itemsize
         flops += elems
     return Cost(flops, nbytes)
 

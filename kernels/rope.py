@@ -13,10 +13,11 @@ position's cos/sin row once and rotates all q heads and all k heads with it:
     out[:h] = x[:h] * cos[:h] - x[h:] * sin[:h]
     out[h:] = x[h:] * cos[h:] + x[:h] * sin[h:]          (h = D / 2)
 
-Napkin math (H200, 4.27 TB/s), q and k both [8, 32, 2048, 128] bf16 (134 MB each):
-    fwd: read q, k + write q_embed, k_embed = 4 * 134 MB = 537 MB -> 126 us floor
-    bwd: read dq_embed, dk_embed + write dq, dk = 537 MB -> 126 us (fwd+bwd 251 us)
-cos and sin ([B, S, D], 4 MB each here) are read once per position, not once per head.
+Why: with q and k both [8, 32, 2048, 128] bf16 (134 MB each), each direction must move 537 MB
+(read q, k, write both: 126 us at the H200's 4.27 TB/s), and cos and sin ([B, S, D], 4 MB each
+here) are read once per position, not once per head. A design that looped the heads of q then
+of k, one half-tile pair in flight, measured ~160 us per direction on the H200; `RopeConfig`
+therefore loads all four half-tiles of a position before storing any (ONE_TILE).
 
 Layouts: q/k are addressed through their strides, so the usual non-contiguous inputs - a
 `[B, S, H, D]` projection view transposed to `[B, H, S, D]`, or a slice of a fused qkv
@@ -26,7 +27,7 @@ backward writes dq, dk in that same layout (so the transpose/view backward of HF
 views needs no copy). Only a last-dim stride != 1 forces a copy (and a contiguous output).
 
 Host work per eager call (the H200 machine's eager path is host-bound, see
-kernels/_common.py::via_custom_op): two output allocations and one launch per direction; no
+kernels/common.py::via_custom_op): two output allocations and one launch per direction; no
 view, expand or contiguous ops (tests/kernels/test_rope.py::test_eager_path_launches_directly).
 """
 
@@ -42,7 +43,7 @@ import triton
 import triton.language as tl
 
 from kprof.errors import KprofError
-from kprof.kernels.common import FP_FUSION, use_triton, via_custom_op, warn_fallback
+from kprof.kernels.common import FP_FUSION, num_warps, use_triton, via_custom_op, warn_fallback
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -158,13 +159,9 @@ LOOP_TILE_ELEMS = 2048
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """Launch parameters, from the tile budget above.
-
-    H200 run 2026-11-29 (Llama 8x32x2048x128 bf16): the previous design (heads looped q then k,
-    one [32, 64] half-tile pair in flight, 8 warps, 71 registers, ~3 programs/SM) took ~160 us
-    per direction against a 126 us copy floor. ONE_TILE puts all four half-tiles in flight at
-    4 warps: 2048 elements per warp (16 fp32 values per thread per tile), not yet measured.
-    """
+    """Launch parameters, from the tile budget above. ONE_TILE puts all four half-tiles in
+    flight at 4-8 warps: 2048 elements per warp (16 fp32 values per thread per tile; not yet
+    measured on the H200, see docs/kernels.md)."""
 
     block_hq: int
     block_hk: int
@@ -180,7 +177,7 @@ class RopeConfig:
         bhq, bhk = triton.next_power_of_2(max(n_q_heads, 1)), triton.next_power_of_2(max(n_k_heads, 1))
         elems = 2 * (bhq + bhk) * block_d
         if half <= block_d and elems <= MAX_ONE_TILE_ELEMS:
-            return RopeConfig(bhq, bhk, block_d, True, min(8, max(4, elems // 2048)))
+            return RopeConfig(bhq, bhk, block_d, True, num_warps(elems, per_thread=64, max_warps=8))
         bh = max(1, LOOP_TILE_ELEMS // block_d)
         return RopeConfig(min(bhq, bh), min(bhk, bh), block_d, False, 4)
 

@@ -10,10 +10,9 @@ is three elementwise passes (scale, masked_fill, softmax), each reading and writ
 [B, H, L, S] scores. `softmax(x, scale=..., mask=..., causal=...)` does it in one read and one
 write; the backward reads y and dy once and writes dx once.
 
-Napkin math (H200, 4.27 TB/s measured copy bandwidth), x = [16384, 8192] bf16 (268 MB):
-    fwd: read x + write y            = 2 * 268 MB = 537 MB -> 126 us floor
-    bwd: read y, dy + write dx       = 3 * 268 MB = 805 MB -> 189 us floor  (fwd+bwd 314 us)
-A boolean mask adds mask.numel() bytes (read once, before broadcasting). `causal` takes bytes
+Why: x = [16384, 8192] bf16 (268 MB) must move 537 MB forward (read x, write y: 126 us at the
+H200's 4.27 TB/s copy bandwidth) and 805 MB backward (read y, dy, write dx: 189 us); the
+in-register kernels measure 130 us fwd / 186 us bwd on the H200, at that floor. A boolean mask adds mask.numel() bytes (read once, before broadcasting). `causal` takes bytes
 away: query i reads keys 0..i only (rounded up to 16 columns), about half of x in the forward
 and of y, dy in the backward for square scores (L = S = 1024: fwd 0.5 + 1 = 1.5x |x| instead
 of 2x, bwd 2x instead of 3x). The registry's cost (`_cost`) does not model that saving: for
@@ -28,7 +27,7 @@ Regimes (chosen by `SoftmaxConfig.for_cols`, the one place launch parameters are
 The backward has the same two regimes (pass 1: sum(y * dy); pass 2: dx).
 
 Host work per eager call (the H200 machine's eager path is host-bound, see
-kernels/_common.py::via_custom_op): one output allocation and one launch per direction for a
+kernels/common.py::via_custom_op): one output allocation and one launch per direction for a
 contiguous x; the mask is passed as the bool tensor it is, its broadcast strides computed in
 Python (tests/kernels/test_softmax.py::test_eager_path_launches_directly).
 """
@@ -45,7 +44,16 @@ import triton
 import triton.language as tl
 
 from kprof.errors import KprofError
-from kprof.kernels.common import FP_FUSION, use_triton, via_custom_op, warn_fallback
+from kprof.kernels.common import (
+    FP_FUSION,
+    num_warps,
+    row_tile,
+    rows_and_stride,
+    rows_cols,
+    use_triton,
+    via_custom_op,
+    warn_fallback,
+)
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -241,9 +249,7 @@ LOOP_BLOCK = 4096
 
 @dataclass(frozen=True)
 class SoftmaxConfig:
-    """Launch parameters. First guesses from the register budget above; on the H200 (2026-11-29)
-    the in-register kernels ran at 130 us fwd / 186 us bwd for 16384x8192 bf16, at the 126 / 189
-    us copy floor, so they were kept."""
+    """Launch parameters, from the register budget above (at the copy floor on the H200)."""
 
     block_n: int
     rows: int  # rows per program (in-register path); 1 when looped
@@ -256,27 +262,10 @@ class SoftmaxConfig:
         # Cached: built once per width, not per call (the eager path is host-bound on the H200).
         if n_cols > MAX_FUSED_COLS:
             return SoftmaxConfig(block_n=LOOP_BLOCK, rows=1, num_warps=8, looped=True)
-        block_n = triton.next_power_of_2(max(n_cols, 1))
-        rows = max(1, min(64, TILE_ELEMS // block_n))
-        tile = block_n * rows
+        rows, block_n = row_tile(n_cols, TILE_ELEMS)
         # ~16 elements (two 16-byte bf16 vectors) per thread at 4K-8K tiles; 32 warps is the max.
-        num_warps = min(32, max(4, tile // 512))
-        return SoftmaxConfig(block_n=block_n, rows=rows, num_warps=num_warps, looped=False)
-
-
-def _rows(t: torch.Tensor, n_rows: int, n_cols: int) -> tuple[torch.Tensor, int]:
-    """`t` ([..., N]) as rows for the kernels: (tensor, row stride), unit column stride.
-
-    A contiguous tensor is passed as it is (the kernels only take its data pointer), so the
-    common case costs no aten op; other layouts go through reshape (a view when the leading
-    dims merge) and, if the column stride is not 1, a copy.
-    """
-    if t.is_contiguous():
-        return t, n_cols
-    t2 = t.reshape(n_rows, n_cols)
-    if n_cols > 1 and t2.stride(1) != 1:
-        t2 = t2.contiguous()
-    return t2, t2.stride(0)
+        warps = num_warps(block_n * rows, max_warps=32)
+        return SoftmaxConfig(block_n=block_n, rows=rows, num_warps=warps, looped=False)
 
 
 def _mask_layout(mask: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -325,7 +314,7 @@ def _softmax_fwd(
     if n == 0:
         return y
     n_rows = n // n_cols
-    x2, x_rs = _rows(x, n_rows, n_cols)
+    x2, x_rs = rows_and_stride(x, n_cols)
     if mask is not None:
         mask_t, (z1, z2, s0, s1, s2, sc) = _mask_layout(mask, shape)
     else:
@@ -358,8 +347,8 @@ def _softmax_bwd(
     if n == 0:
         return dx
     n_rows = n // n_cols
-    y2, y_rs = _rows(y, n_rows, n_cols)
-    dy2, dy_rs = _rows(dy, n_rows, n_cols)  # a copy only for odd grads (e.g. stride 0 from .sum())
+    y2, y_rs = rows_and_stride(y, n_cols)
+    dy2, dy_rs = rows_and_stride(dy, n_cols)  # a copy only for odd grads (e.g. stride 0 from .sum())
     q_len = shape[-2] if len(shape) >= 2 else 1
     cfg = config or SoftmaxConfig.for_cols(n_cols)
     if cfg.looped:
@@ -544,21 +533,16 @@ def _cost(n_rows: int, n_cols: int, dtype: torch.dtype = torch.bfloat16, mask_nu
     }
 
 
-def _rows_cols(shape) -> tuple[int, int]:
-    n_cols = shape[-1] if len(shape) else 1
-    return (math.prod(shape) // n_cols if n_cols else 0), n_cols
-
-
 def _fwd_op_cost(metas: list[TensorMeta]) -> Cost:
     """metas: x and, when given, the mask (a None mask is not in the trace)."""
-    n_rows, n_cols = _rows_cols(metas[0].shape)
+    n_rows, n_cols = rows_cols(metas[0].shape)
     mask_numel = math.prod(metas[1].shape) if len(metas) > 1 else 0
     return _cost(n_rows, n_cols, metas[0].dtype, mask_numel)["fwd"]
 
 
 def _bwd_op_cost(metas: list[TensorMeta]) -> Cost:
     """metas: y, dy."""
-    n_rows, n_cols = _rows_cols(metas[0].shape)
+    n_rows, n_cols = rows_cols(metas[0].shape)
     return _cost(n_rows, n_cols, metas[0].dtype)["bwd"]
 
 

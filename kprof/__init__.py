@@ -5,7 +5,7 @@ kernels in `kprof.kernels`, the rules in `kprof.rules`. The CLI is `kprof` / `py
 """
 
 from kprof.errors import KprofError
-from kprof.patch import PatchReport, patch  # noqa: E402  (the function shadows the submodule name on purpose)
+from kprof.patching.install import PatchReport, patch
+from kprof.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["KprofError", "PatchReport", "patch", "__version__"]

@@ -40,6 +40,9 @@ DEFAULT_ROOT = Path(".kprof") / "runs"
 SUMMARY = "summary.json"
 OPS = "ops.parquet"
 TRACE = "trace.json.gz"
+PLAN = "plan.json"  # written by kprof suggest
+APPLY = "apply.json"  # in the patched run of kprof apply
+COMPARE = "compare.json"  # in each run of kprof apply --compare
 FORMAT = 1  # bump when summary.json changes incompatibly
 
 # Parquet schema metadata key listing object columns stored as JSON text because Arrow could not
@@ -283,3 +286,38 @@ def load_run(spec: str | os.PathLike | None = None, root: str | os.PathLike = DE
     """A saved run (the latest under `root` by default); its ops table loads on first use."""
     path = resolve_run(spec, root)
     return Run(path=path, summary=load_summary(path))
+
+
+def check_same_script(run, script: str) -> None:
+    planned = run.summary.get("script")
+    if not planned:
+        return
+    if Path(planned).resolve() != Path(script).resolve():
+        raise KprofError(f"run {run.name} profiled {planned}, not {script}; profile this script first "
+                         f"(kprof profile {script}) or pass --run with one of its runs")
+
+
+def is_plain_run(path) -> bool:
+    """A run of the script as written: not the patched run of an `apply` (apply.json) nor a
+    patched or compiled variant of `apply --compare` (compare.json naming another run as eager).
+    Only such a run's plan reflects the unpatched model."""
+    path = Path(path)
+    if (path / APPLY).exists():
+        return False
+    try:
+        doc = json.loads((path / COMPARE).read_text())
+    except (OSError, ValueError):
+        return True
+    return (doc.get("runs") or {}).get("eager") == path.name
+
+
+def latest_plain_run(root):
+    """The latest run that is_plain_run (else the latest run): what `apply` plans from by default,
+    so that a previous apply or --compare's patched/compiled runs are not mistaken for a profile."""
+    for p in reversed(list_runs(root)):
+        if is_plain_run(p):
+            try:
+                return Run(path=p, summary=load_summary(p))
+            except KprofError:
+                continue
+    return load_run(None, root)

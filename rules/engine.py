@@ -22,9 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+import numpy as np
+import pandas as pd
 import torch
 import torch.nn as nn
 
+from kprof.analyze.modules import MATMUL_OPS, SKIP_MODULES, hits, op_base, with_descendants
 from kprof.errors import KprofError
 
 # ---------------------------------------------------------------------------------------------
@@ -352,3 +355,48 @@ def select(rules: Sequence[Rule], ids: Iterable[str] | None) -> list[Rule]:
     return [r for r in rules if r.id in set(ids)]
 
 
+def match_pattern(pattern, table: pd.DataFrame) -> list[str]:
+    """Module paths whose recorded ops fit a rule's ProfilePattern (see rules/engine.py)."""
+    def has(names: frozenset, wanted) -> list[bool]:
+        return [any(n == w or n.startswith(w + "_") for n in names) for w in wanted]
+
+    out = []
+    for path, own, children in zip(table["module"], table["own"], table["children"]):
+        if pattern.root_only and path != "":
+            continue
+        if not all(has(own, pattern.own_all)):
+            continue
+        if pattern.own_any and not any(has(own, pattern.own_any)):
+            continue
+        if any(has(own, pattern.own_none)):
+            continue
+        kid_own = [table.at[c, "own"] for c in children]
+        if pattern.child_any and not any(any(has(k, pattern.child_any)) for k in kid_own):
+            continue
+        n_mm = sum(any(has(k, MATMUL_OPS)) for k in kid_own)
+        if n_mm < pattern.child_linear or (pattern.child_linear_max is not None and n_mm > pattern.child_linear_max):
+            continue
+        out.append(path)
+    return out
+
+
+def evidence_ops(pattern, ops: pd.DataFrame, table: pd.DataFrame, path: str) -> pd.DataFrame:
+    """The ops (all steps, fwd and bwd) a rule's replacement removes at one module path."""
+    mod = ops["module"]
+    in_subtree = (mod == path) | mod.str.startswith(path + ".") if path else ~mod.isin(SKIP_MODULES)
+    sub = ops[in_subtree & ops["phase"].isin(["fwd", "bwd"])]
+    names = op_base(sub["op"])
+    sel = np.zeros(len(sub), dtype=bool)
+    for item in pattern.evidence:
+        kind, _, name = item.partition(":") if ":" in item else ("*", "", "")
+        if kind == "*":
+            sel[:] = True
+        elif kind == "own":
+            sel |= ((sub["module"] == path) & hits(names, [name])).to_numpy()
+        elif kind == "subtree":
+            sel |= hits(names, [name]).to_numpy()
+        elif kind == "childmod":
+            kids = [c for c in table.at[path, "children"]
+                    if any(n == name or n.startswith(name + "_") for n in table.at[c, "own"])]
+            sel |= sub["module"].isin(kids).to_numpy()
+    return sub[with_descendants(sub, sel)]

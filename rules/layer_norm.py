@@ -10,7 +10,16 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from kprof.rules.engine import ProfilePattern, Rule, behaves_like, eps_of, kernel_fn, param_like, probe_input, reference_fn
+from kprof.rules.engine import (
+    ProfilePattern,
+    Rule,
+    behaves_like,
+    eps_of,
+    kernel_fn,
+    param_like,
+    probe_input,
+    reference_fn,
+)
 from kprof.rules.problems import rows_cols_from_first_input
 
 KERNEL = "layer_norm:layer_norm"

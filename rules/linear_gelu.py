@@ -17,7 +17,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kprof.rules.engine import ProfilePattern, Rule, behaves_like, closest, kernel_fn, param_like, probe_input, reference_fn
+from kprof.rules.engine import (
+    ProfilePattern,
+    Rule,
+    behaves_like,
+    closest,
+    kernel_fn,
+    param_like,
+    probe_input,
+    reference_fn,
+)
 from kprof.rules.problems import rows_cols_from_first_input
 
 KERNEL = "bias_gelu:bias_gelu"

@@ -13,11 +13,11 @@ import typer
 from rich.console import Console
 from typer.testing import CliRunner
 
-from kprof import cli_patch
-from kprof.apply import apply, parse_ids
+from kprof.analyze.profile import load_run, profile_script
+from kprof.cli import patch_cmds as cli_patch
 from kprof.errors import KprofError
-from kprof.profile import load_run, profile_script
-from kprof.suggest import save_plan, suggest
+from kprof.patching.apply import apply
+from kprof.plan.suggest import parse_ids, save_plan, suggest
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt_train.py"
@@ -68,7 +68,7 @@ def test_apply_end_to_end_on_repo_gpt(tmp_path, wide):
 
 def test_write_lines_patch_a_fresh_model():
     import kprof
-    from kprof.apply import write_lines
+    from kprof.patching.apply import write_lines
 
     if not callable(kprof.patch):
         pytest.skip("kprof/__init__.py does not export patch() yet (the lead wires it)")

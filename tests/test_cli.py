@@ -38,7 +38,7 @@ def kprof_cli(capsys, *args: str) -> tuple[int, str, str]:
     return e.value.code or 0, out, err
 
 
-# A summary shaped like kprof.profile.build_summary's, with made-up numbers for rendering tests.
+# A summary shaped like kprof.analyze.profile.build_summary's, with made-up numbers for rendering tests.
 SUMMARY = {
     "script": "train.py", "argv": ["--lr", "1"], "status": "stopped", "status_note": "stopped after 5",
     "error": None, "exit_code": 0,
@@ -88,7 +88,7 @@ def test_profile_passes_arguments_and_renders(capsys, monkeypatch, tmp_path):
         path = store.save_run(SUMMARY, pd.DataFrame({"op": ["aten::mm"]}), None, root=kw["out_root"])
         return Run(path=path, summary=store.load_summary(path))
 
-    monkeypatch.setattr("kprof.profile.profile_script", fake_profile_script)
+    monkeypatch.setattr("kprof.analyze.profile.profile_script", fake_profile_script)
     script = tmp_path / "train.py"
     script.write_text("")
     code, out, _ = kprof_cli(capsys, "profile", script, "--warmup", "1", "--steps", "2", "--step", "forward",
@@ -175,7 +175,7 @@ def test_usage_errors_exit_2(capsys, tmp_path):
 
 
 def test_live_progress_follows_runner_events():
-    """The runner's progress events (kprof/runner.py run_script docstring) drive one counter per phase."""
+    """The runner's progress events (kprof/capture/runner.py run_script docstring) drive one counter per phase."""
     import io
 
     from rich.progress import Progress
@@ -319,7 +319,7 @@ def test_analysis_bug_keeps_the_raw_run(capsys, monkeypatch, tmp_path):
     def broken(raw):
         raise ZeroDivisionError("planted analysis bug")
 
-    monkeypatch.setattr("kprof.profile.analyse", broken)
+    monkeypatch.setattr("kprof.analyze.profile.analyse", broken)
     script = _script(tmp_path, "")
     code, _, err = kprof_cli(capsys, "profile", script, "--warmup", "0", "--steps", "1", "--out", tmp_path / "runs")
     assert code == 1 and "analysis failed" in err and "planted analysis bug" in err

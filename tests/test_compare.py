@@ -1,5 +1,5 @@
 """`kprof apply SCRIPT --compare`: eager vs kprof patches vs torch.compile vs both, each variant in
-its own subprocess and saved as a run (kprof/compare.py). CPU: a tiny seeded script, Inductor's
+its own subprocess and saved as a run (kprof/patching/compare.py). CPU: a tiny seeded script, Inductor's
 C++ backend and the Triton interpreter; the Llama end-to-end comparison runs on the GPU."""
 
 from __future__ import annotations
@@ -14,11 +14,19 @@ import typer
 from rich.console import Console
 from typer.testing import CliRunner
 
-from kprof import cli_patch, store
-from kprof.compare import (VARIANTS, CompareResult, VariantResult, compare, load_compare, parse_variants,
-                           verdict)
+from kprof import store
+from kprof.analyze.profile import profile_script
+from kprof.cli import patch_cmds as cli_patch
 from kprof.errors import KprofError
-from kprof.profile import profile_script
+from kprof.patching.compare import (
+    VARIANTS,
+    CompareResult,
+    VariantResult,
+    compare,
+    load_compare,
+    parse_variants,
+    verdict,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -145,7 +153,7 @@ def test_four_variants_on_a_tiny_script(tmp_path, monkeypatch):
         assert word in text, word
 
     # A later comparison plans from the eager run of the last one, not from a patched/compiled run.
-    from kprof.compare import _plan_run
+    from kprof.patching.compare import _plan_run
 
     assert _plan_run(str(script), None, root).name == doc["runs"]["eager"]
 

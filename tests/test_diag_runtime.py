@@ -14,7 +14,8 @@ import pytest
 from planted import SCRIPTS
 from planted import planted_line as _line
 
-from kprof import analysis, trace
+from kprof.analyze import tables as analysis
+from kprof.analyze import trace
 from kprof.rules import diagnoses
 from kprof.rules.diagnoses import fp32_matmul, host_sync, input_pipeline, launch_bound, unfused_optimizer
 
@@ -36,7 +37,7 @@ def diagnose(run):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Each planted script profiled once on the CPU (~2 s each)."""
-    from kprof.profile import profile_script
+    from kprof.analyze.profile import profile_script
 
     root = tmp_path_factory.mktemp("runs")
     return {name: profile_script(str(SCRIPTS / f"{name}.py"), ["--iters", "6"], warmup=1, steps=2, out_root=root)
@@ -89,7 +90,7 @@ def test_suggest_cli_shows_the_loader_line(runs, monkeypatch):
     from rich.console import Console
     from typer.testing import CliRunner
 
-    from kprof import cli_patch
+    from kprof.cli import patch_cmds as cli_patch
 
     monkeypatch.setattr(cli_patch, "console", Console(width=250))
     monkeypatch.setattr(diagnoses, "DIAGNOSES", CHECKED)
@@ -312,7 +313,7 @@ def test_llama_gpu_run_raises_no_alarm():
 
 @pytest.mark.gpu
 def test_gpu_slow_loader_idle_measured(tmp_path):
-    from kprof.profile import profile_script
+    from kprof.analyze.profile import profile_script
 
     run = profile_script(str(SCRIPTS / "slow_loader.py"), ["--device", "cuda", "--iters", "12"], warmup=2, steps=3,
                          out_root=tmp_path)
@@ -335,7 +336,7 @@ def test_gpu_slow_loader_idle_measured(tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_launch_bound_found(tmp_path):
-    from kprof.profile import profile_script
+    from kprof.analyze.profile import profile_script
 
     run = profile_script(str(SCRIPTS / "launch_bound.py"), ["--device", "cuda", "--iters", "12"], warmup=2, steps=3,
                          out_root=tmp_path)

@@ -27,7 +27,7 @@ MINE = ("manual_attention", "matmul_shapes")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Each planted script profiled once on the CPU (~2-4 s each)."""
-    from kprof.profile import profile_script
+    from kprof.analyze.profile import profile_script
 
     root = tmp_path_factory.mktemp("runs")
     return {name: profile_script(str(SCRIPTS / f"{name}.py"), ["--iters", "5"], warmup=1, steps=2, out_root=root)
@@ -60,7 +60,7 @@ def test_manual_attention_found_with_module_and_softmax_line(runs):
     assert row["ms/step"] == pytest.approx(sum(r["ms/step"] for r in det.values()))
     assert 0 < row["saving ms/step"] < row["ms/step"]
     # No kernel rule claims these modules (no Linear children), so this is the only SDPA advice.
-    from kprof.suggest import suggest
+    from kprof.plan.suggest import suggest
 
     assert not any(i.startswith("attention") for i in suggest(run)["id"])
 
@@ -104,11 +104,11 @@ def test_clean_script_raises_no_alarm(runs):
 
 
 def test_suggest_cli_shows_both(runs, monkeypatch):
-    from rich.console import Console
     import typer
+    from rich.console import Console
     from typer.testing import CliRunner
 
-    from kprof import cli_patch
+    from kprof.cli import patch_cmds as cli_patch
 
     monkeypatch.setattr(cli_patch, "console", Console(width=250))
     app = typer.Typer()
@@ -385,7 +385,7 @@ def test_llama_1b_gpu_run_raises_no_alarm():
 
 @pytest.mark.gpu
 def test_gpu_manual_attention_found(tmp_path):
-    from kprof.profile import profile_script
+    from kprof.analyze.profile import profile_script
 
     run = profile_script(str(SCRIPTS / "manual_attention.py"), ["--device", "cuda", "--dtype", "bfloat16", "--iters", "8"],
                          warmup=2, steps=3, out_root=tmp_path)
@@ -402,7 +402,7 @@ def test_gpu_manual_attention_found(tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_odd_vocab_flagged_and_padded_vocab_not(tmp_path):
-    from kprof.profile import profile_script
+    from kprof.analyze.profile import profile_script
 
     script = str(SCRIPTS / "odd_vocab.py")
     args = ["--device", "cuda", "--dtype", "bfloat16", "--iters", "8"]

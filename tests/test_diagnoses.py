@@ -15,13 +15,10 @@ from kprof.rules.diagnoses import diagnose, fp32_matmul, host_sync, unfused_opti
 from kprof.rules.diagnoses.unfused_optimizer import elements
 
 
-
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Each planted script profiled once (CPU: ~3 s each)."""
-    from kprof.profile import profile_script
+    from kprof.analyze.profile import profile_script
 
     root = tmp_path_factory.mktemp("runs")
     out = {}
@@ -80,8 +77,8 @@ def test_suggest_cli_lists_diagnoses_after_kernel_rules(runs, monkeypatch):
     from rich.console import Console
     from typer.testing import CliRunner
 
-    from kprof import cli_patch
-    from kprof.suggest import load_plan
+    from kprof.cli import patch_cmds as cli_patch
+    from kprof.plan.suggest import load_plan
 
     monkeypatch.setattr(cli_patch, "console", Console(width=250))
     app = typer.Typer()
@@ -195,7 +192,7 @@ def test_optimizer_element_count_and_classification():
 
 
 def test_json_records_are_finite():
-    from kprof.suggest import plan_records
+    from kprof.plan.suggest import plan_records
 
     recs = plan_records(pd.DataFrame([{"a": math.nan, "details": [{"b": math.nan, "c": [1.0, math.inf]}]}]))
     assert recs == [{"a": None, "details": [{"b": None, "c": [1.0, None]}]}]
@@ -208,7 +205,7 @@ def test_json_records_are_finite():
 
 @pytest.mark.gpu
 def test_gpu_fp32_matmul_flagged_and_tf32_run_not(tmp_path):
-    from kprof.profile import profile_script
+    from kprof.analyze.profile import profile_script
 
     script = str(SCRIPTS / "fp32_matmul.py")
     off = profile_script(script, [], warmup=2, steps=3, out_root=tmp_path)
@@ -222,7 +219,7 @@ def test_gpu_fp32_matmul_flagged_and_tf32_run_not(tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_item_sync_saving_bounded_by_idle(tmp_path):
-    from kprof.profile import profile_script
+    from kprof.analyze.profile import profile_script
 
     run = profile_script(str(SCRIPTS / "item_sync.py"), ["--iters", "8", "--device", "cuda"], warmup=2, steps=3,
                          out_root=tmp_path)
@@ -238,8 +235,8 @@ def test_gpu_item_sync_saving_bounded_by_idle(tmp_path):
 def test_cpu_script_on_a_gpu_machine_is_a_cpu_run(tmp_path, monkeypatch):
     # H200, 2026-11-29: item_sync.py (CPU tensors) profiled on the GPU machine was taken for a GPU
     # run, and its host idle time reported as recoverable GPU idle time. The trace decides.
-    import kprof.runner as runner
-    from kprof.profile import profile_script
+    import kprof.capture.runner as runner
+    from kprof.analyze.profile import profile_script
 
     real = runner.device_info
 

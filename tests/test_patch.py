@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from kprof.patch import patch as kprof_patch
 from kprof.errors import KprofError
 from kprof.kernels.common import TOLERANCE
+from kprof.patching.install import patch as kprof_patch
+from kprof.patching.verify import _rel_norm, verify_call
 from kprof.rules.engine import kernel_fn
-from kprof.verify import _rel_norm, verify_call
 
 transformers = pytest.importorskip("transformers")
 
@@ -196,7 +196,7 @@ def test_strict_raises_on_failed_verification(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------
-# Half precision: judged against the original code run in fp32 (kprof/verify.py).
+# Half precision: judged against the original code run in fp32 (kprof/patching/verify.py).
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma"])  # gemma: GELU-tanh gated MLP, offset-1 RMSNorm, tied head

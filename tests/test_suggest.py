@@ -12,10 +12,11 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from kprof.analyze.modules import HOST_BOUND_BUSY_PCT, group_paths, module_table, roofline_us
 from kprof.kernels.registry import Cost
+from kprof.plan.suggest import PLAN, load_plan, save_plan, suggest
 from kprof.rules import RULES
-from kprof.suggest import (HOST_BOUND_BUSY_PCT, PLAN, evidence_ops, group_paths, load_plan, match_pattern,
-                           module_table, roofline_us, save_plan, suggest)
+from kprof.rules.engine import evidence_ops, match_pattern
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,7 +112,7 @@ def test_roofline_us_is_max_of_compute_and_memory_with_a_latency_floor():
 
 
 def _profile(tmp_path_factory, script, argv):
-    from kprof.profile import profile_script
+    from kprof.analyze.profile import profile_script
 
     root = tmp_path_factory.mktemp("runs")
     return profile_script(str(ROOT / "examples" / script), argv, warmup=1, steps=2, out_root=root)
@@ -176,8 +177,8 @@ def test_suggest_on_hf_llama(llama_run):
 def test_plan_saved_and_cli_json(gpt_run, monkeypatch):
     from rich.console import Console
 
-    from kprof import cli_patch
-    from kprof.cli_patch import register
+    from kprof.cli import patch_cmds as cli_patch
+    from kprof.cli.patch_cmds import register
 
     monkeypatch.setattr(cli_patch, "console", Console(width=250))
 
@@ -274,7 +275,7 @@ def test_cpu_run_has_no_host_bound_caveat(gpt_run, tmp_path):
 def test_host_bound_caveat_saved_and_rendered_once(gpt_run, tmp_path):
     from rich.console import Console
 
-    from kprof.cli_patch import render_plan
+    from kprof.cli.patch_cmds import render_plan
 
     run = _gpu_run(gpt_run, tmp_path / "host", 1220.0, 13500.0, 5.27)
     plan = suggest(run)

@@ -1,6 +1,9 @@
 """Benchmark cases, one file per kernel family; `benchmarks/bench_kernels.py` runs them all.
 
-Each file defines `CASES: list[Case]`.
+Each file defines `CASES: list[Case]`: one case is one row pair (fwd, fwd+bwd) of the top README's
+kernel table and of benchmarks/results/kernels.csv. The launch-config sweeps beside the cases
+(`python -m benchmarks.cases.<file> ...`) reproduce the sweep files in benchmarks/results/ and
+the measured figures in the kernels' comments; each file's docstring says which.
 """
 
 from __future__ import annotations

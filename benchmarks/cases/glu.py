@@ -11,6 +11,13 @@ formula) on `x + bias`, and `F.gelu(x + bias)` (nn.GELU's erf default).
 Liger notes: LigerSiLUMulFunction / LigerGELUMulFunction write d_gate, d_up into the saved gate
 and up buffers in place (their backward overwrites the inputs), and Liger's GeGLU is tanh-only.
 Liger has no bias+GELU kernel.
+
+Reproduces (H200): the GLU and bias+GELU rows of the top README's kernel table (bench_kernels.py), and
+    python -m benchmarks.cases.glu bias_gelu_fwd   glusweep-h200-20261130T0347-fwd.txt in benchmarks/results/
+                                                   (forward tile 2048 + 32-register cap: erf 284.6 -> 261.4 us)
+    python -m benchmarks.cases.glu bias_gelu       the backward tile/warps/dbias figures in kernels/bias_gelu.py
+    python -m benchmarks.cases.glu glu_tiles       GLU_TILE's sweep in kernels/glu.py (SwiGLU fwd+bwd 332.5 us at 1024)
+(the last two ran at 2026-11-30 01:22/03:22; their files are summarised in docs/results.md).
 """
 
 from __future__ import annotations

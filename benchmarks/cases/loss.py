@@ -22,6 +22,16 @@ number is with grad_output = 1.
 Liger notes (0.6.x): LigerCrossEntropyLoss writes the gradient into the logits' buffer (in place,
 no opt-out), so after Liger runs the case's `logits` hold gradients; the harness checks and times
 Liger last. LigerFusedLinearCrossEntropyLoss takes (weight, hidden, target).
+
+Reproduces (H200): the cases, the cross-entropy and linear + CE rows of the top README's tables
+(bench_kernels.py). The sweeps, each the latest file of its kind in benchmarks/results/:
+    python -m benchmarks.cases.loss ce                 sweep-ce-h200-20261130T0103.txt (CEConfig.for_problem's pick)
+    python -m benchmarks.cases.loss ce_cluster         sweep-ce-cluster-h200-20261130T0611.txt (sm_90 kernel shapes)
+    python -m benchmarks.cases.loss ce_cluster_vocabs  sweep-ce-cluster-vocabs-h200-20261130T0722.txt (32000: 0.361 ms,
+                                                       50304: 0.500, 256000: 1.096; 151936 declined)
+    python -m benchmarks.cases.loss lce_parts lce_profile   sweep-ce-lce-h200-20261130T0733.txt (linear + CE's
+                                                       parts per chunk size: grad_W addmm 14.71 ms at 512 rows)
+    python -m benchmarks.cases.loss lce                the chunk-size table in kernels/fused_linear_cross_entropy.py
 """
 
 from __future__ import annotations

@@ -15,6 +15,11 @@ Eager peers are what users run today: HF's eager attention softmax
 (`scores * scale`, `masked_fill(~mask, -inf)`, softmax), and transformers' apply_rotary_pos_emb
 formula (written out here so the peer is exactly that code, not a hub kernel it may dispatch to).
 Liger has a plain softmax (no scale/mask) and `liger_rotary_pos_emb`.
+
+Reproduces (H200): the softmax and RoPE rows of the top README's kernel table (bench_kernels.py).
+`python -m benchmarks.cases.softmax_rope` sweeps both kernels' launch configs, the check behind
+SoftmaxConfig's and RopeConfig's defaults (kernels/softmax.py, kernels/rope.py: the first row per
+case should be the default); no sweep file of it is kept.
 """
 
 from __future__ import annotations

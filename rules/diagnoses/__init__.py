@@ -17,9 +17,15 @@ import math
 
 import pandas as pd
 
-from kprof.rules.diagnoses import fp32_matmul, host_sync, unfused_optimizer
-from kprof.rules.diagnoses import input_pipeline, launch_bound
-from kprof.rules.diagnoses import manual_attention, matmul_shapes
+from kprof.rules.diagnoses import (
+    fp32_matmul,
+    host_sync,
+    input_pipeline,
+    launch_bound,
+    manual_attention,
+    matmul_shapes,
+    unfused_optimizer,
+)
 from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, n_steps, step_ms
 
 DIAGNOSES: list[Diagnosis] = [

@@ -11,6 +11,8 @@ from typing import Callable
 
 import pandas as pd
 
+from kprof.analyze.modules import is_gpu_run  # noqa: F401  (re-exported for the diagnoses)
+
 
 @dataclass
 class Finding:
@@ -50,10 +52,6 @@ def n_steps(ops: pd.DataFrame, summary: dict) -> int:
     if not n and ops is not None and "step" in ops and len(ops):
         n = ops["step"].nunique()
     return max(int(n or 1), 1)
-
-
-def is_gpu_run(summary: dict) -> bool:
-    return (summary.get("device") or {}).get("type") == "cuda"
 
 
 def parse_script(script: str | None) -> tuple[str, ast.Module] | None:

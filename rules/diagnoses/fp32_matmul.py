@@ -4,7 +4,7 @@ By default PyTorch runs fp32 matmuls at full fp32 precision on the CUDA cores
 (`torch.backends.cuda.matmul.allow_tf32` is False since torch 1.12). From Ampere (sm_80) on,
 tensor cores run the same matmul in TF32 (fp32 range, 10-bit mantissa inputs, fp32 accumulate)
 at several times the rate: on an H200, fp32 50.5 vs tf32 387 vs bf16 750 TFLOP/s (measured by
-`kprof calibrate`, 2026-11-29, see kprof/ceilings.py). bf16 autocast also halves the bytes.
+`kprof calibrate`, 2026-11-29, see kprof/analyze/ceilings.py). bf16 autocast also halves the bytes.
 
 Evidence: ops.parquet rows with `tensor_core` true, FLOPs counted and `dtype class` fp32, on a
 CUDA device of compute capability >= 8.0. Not flagged: CPU runs (no tensor cores), pre-Ampere
@@ -103,7 +103,7 @@ def find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
     st = step_ms(summary)
     if math.isfinite(tf32) and math.isfinite(st) and st > 0 and tf32 / st * 100 < MIN_SAVING_PCT:
         return []
-    from kprof.suggest import group_paths
+    from kprof.analyze.modules import group_paths
 
     by_mod = (mm.assign(_t=t).groupby("module")["_t"].sum().sort_values(ascending=False)
               if "module" in mm else pd.Series(dtype=float))

@@ -1,6 +1,6 @@
 """Host syncs inside the training step (`.item()`, `.cpu()`, printing a tensor, data-dependent shapes).
 
-Evidence: summary["syncs"], recorded during the profiled steps by kprof/syncs.py's detector with
+Evidence: summary["syncs"], recorded during the profiled steps by kprof/capture/syncs.py's detector with
 the user's file:line and code. A sync makes the host wait until the GPU has drained its queue;
 the next kernels are launched only after that, so the GPU idles for at least the launch latency
 of what follows, and for much longer when the host has work to do before its next launch.
@@ -20,7 +20,7 @@ import statistics
 
 from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, n_steps
 
-# Sync kind (kprof/syncs.py's kind strings) -> the fix. First match wins: the order is precedence.
+# Sync kind (kprof/capture/syncs.py's kind strings) -> the fix. First match wins: the order is precedence.
 FIXES: tuple[tuple[str, str], ...] = (
     (r"^torch\.cuda\.synchronize",
      "remove it from the step; to time steps, record torch.cuda.Event(enable_timing=True) pairs and read "

@@ -6,7 +6,7 @@ from pageable (non-pinned) host memory makes the host wait: the CUDA runtime syn
 stream before it stages a pageable source (CUDA runtime API, "API synchronization behavior"),
 and `non_blocking=True` cannot help without pinned memory.
 
-Evidence: summary["input_wait_by_step"] (kprof.analysis.input_wait_by_step, from the trace):
+Evidence: summary["input_wait_by_step"] (kprof.analyze.tables.input_wait_by_step, from the trace):
 per recorded step, the host time inside torch's `enumerate(DataLoader)#<Iterator>.__next__`
 ranges and inside the calls that issued "Memcpy HtoD" copies, and on a GPU the device idle time
 inside them (no kernel, memcpy or memset running on any stream). The iterator class tells

@@ -37,11 +37,11 @@ ops/step, 98% of them under the CPU's 20 us default latency threshold (median 1.
 from __future__ import annotations
 
 import math
-import statistics
 
 import numpy as np
 import pandas as pd
 
+from kprof.analyze.modules import median_of
 from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, n_steps
 from kprof.rules.diagnoses.unfused_optimizer import construction_line
 
@@ -54,11 +54,6 @@ MIN_IDLE_SHARE = 0.10
 MIN_SHORT_SHARE = 0.5
 # "high" confidence: the GPU idles most of the step and nearly every kernel is short.
 HIGH_IDLE_SHARE, HIGH_SHORT_SHARE = 0.5, 0.8
-
-
-def _median(rows: list[dict], key: str) -> float:
-    xs = [float(r[key]) for r in rows if r.get(key) is not None and math.isfinite(float(r[key]))]
-    return statistics.median(xs) if xs else math.nan
 
 
 def kernel_stats(ops: pd.DataFrame, summary: dict, latency_us: float) -> dict | None:
@@ -90,7 +85,7 @@ def find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
     if not is_gpu_run(summary):
         return []  # see the module docstring: no device to idle on a CPU run
     idle_rows = summary.get("idle_by_step") or []
-    idle_us, window_us = _median(idle_rows, "idle (us)"), _median(idle_rows, "window (us)")
+    idle_us, window_us = median_of(idle_rows, "idle (us)"), median_of(idle_rows, "window (us)")
     ceil = summary.get("ceilings") or {}
     lat = float(ceil.get("latency_us") or math.nan)
     if not (math.isfinite(idle_us) and math.isfinite(window_us) and window_us > 0 and math.isfinite(lat)):
@@ -98,14 +93,14 @@ def find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
     # The profiler adds host time to every op, so a profiled step idles more than a real one; the
     # kernels take the same time either way, so the unprofiled step's idle is its time minus the
     # device busy time (when the runner timed unprofiled steps).
-    busy_us = _median(idle_rows, "busy (us)")
+    busy_us = median_of(idle_rows, "busy (us)")
     plain_ms = float((summary.get("step_time_ms") or {}).get("median") or math.nan)
     if math.isfinite(plain_ms) and math.isfinite(busy_us) and plain_ms > 0:
         idle_us, window_us = min(idle_us, max(plain_ms * 1e3 - busy_us, 0.0)), min(window_us, plain_ms * 1e3)
         basis = "unprofiled step time - device busy time"
     else:
         basis = "profiled steps"
-    wait_us = _median(summary.get("input_wait_by_step") or [], "idle (us)")
+    wait_us = median_of(summary.get("input_wait_by_step") or [], "idle (us)")
     wait_us = min(wait_us, idle_us) if math.isfinite(wait_us) else 0.0
     rest_us = max(idle_us - wait_us, 0.0)
     ks = kernel_stats(ops, summary, lat)

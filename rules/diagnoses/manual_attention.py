@@ -69,11 +69,11 @@ MIN_SAVING_PCT = 1.0
 _ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "tf32": 4, "fp64": 8}
 
 
-def _base(name) -> str:
+def base_name(name) -> str:
     return str(name).rsplit("::", 1)[-1].lstrip("_")
 
 
-def _shapes(v) -> list:
+def arg_shapes(v) -> list:
     """input_shapes -> list of per-argument shapes (tuples of ints; () for non-tensors; a
     TensorList argument becomes None)."""
     out = []
@@ -87,7 +87,7 @@ def _shapes(v) -> list:
 
 def mm_dims(op: str, shapes: list) -> tuple[int, int, int, int] | None:
     """(b, M, K, N) of a kernel-level matmul row from its recorded shapes, else None."""
-    base = _base(op)
+    base = base_name(op)
     if base not in MATMUL_ROWS:
         return None
     args = [s for s in shapes if s]
@@ -187,9 +187,9 @@ def find_chains(ops: pd.DataFrame) -> list[dict]:
     if not len(fwd):
         return []
     fwd = fwd.sort_values(["step", "ts (us)"] if "ts (us)" in fwd else ["step"], kind="stable")
-    op = [_base(o) for o in fwd["op"]]
-    called = [_base(c) for c in (fwd["called_op"].fillna(fwd["op"]) if "called_op" in fwd else fwd["op"])]
-    shapes = [_shapes(s) for s in fwd["input_shapes"]]
+    op = [base_name(o) for o in fwd["op"]]
+    called = [base_name(c) for c in (fwd["called_op"].fillna(fwd["op"]) if "called_op" in fwd else fwd["op"])]
+    shapes = [arg_shapes(s) for s in fwd["input_shapes"]]
     dims = [mm_dims(o, s) for o, s in zip(op, shapes)]
     module = fwd["module"].astype(str).tolist()
     steps = fwd["step"].tolist()
@@ -270,7 +270,7 @@ def backward_rows(ops: pd.DataFrame, chains: list[dict]) -> pd.Index:
     for (step, mod), ss in sigs.items():
         part = bwd[(bwd["step"] == step) & (bwd["module"] == mod)]
         for i, op, shp in zip(part.index, part["op"], part["input_shapes"]):
-            shapes = _shapes(shp)
+            shapes = arg_shapes(shp)
             d = mm_dims(op, shapes)
             outs = [(d[0], d[1], d[3])] if d else []
             if any(s(x) for s in ss for x in shapes + outs):
@@ -291,8 +291,8 @@ def backward_rows(ops: pd.DataFrame, chains: list[dict]) -> pd.Index:
 
 def sdpa_us(c: dict, summary: dict) -> float:
     """SDPA's roofline time (fwd + bwd, us) for one chain; see the module docstring."""
+    from kprof.analyze.modules import roofline_us
     from kprof.kernels.registry import Cost
-    from kprof.suggest import roofline_us
 
     cls = c["dtype class"]
     if cls == "fp32" and summary.get("tf32_assumed"):
@@ -306,8 +306,9 @@ def sdpa_us(c: dict, summary: dict) -> float:
 
 def rule_covered(ops: pd.DataFrame, summary: dict) -> set[str]:
     """Module paths the built-in attention kernel rules already suggest SDPA for."""
+    from kprof.analyze.modules import module_table
     from kprof.rules import RULES
-    from kprof.suggest import match_pattern, module_table
+    from kprof.rules.engine import match_pattern
 
     try:
         table = module_table(ops, summary.get("module_classes"))
@@ -319,7 +320,7 @@ def rule_covered(ops: pd.DataFrame, summary: dict) -> set[str]:
 def _source(summary: dict, paths: list[str], ops: pd.DataFrame) -> str:
     """file:line of the first softmax call in the module's forward (classes defined in the
     profiled script, read with ast), or the run's recorded module source."""
-    from kprof.suggest import script_sources
+    from kprof.analyze.modules import script_sources
 
     src = dict(script_sources(summary.get("script"), "softmax"))
     src.update(summary.get("module_sources") or {})
@@ -373,7 +374,7 @@ def find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
     if math.isfinite(st) and st > 0 and gate / st * 100 < MIN_SAVING_PCT:
         return []
 
-    from kprof.suggest import group_paths
+    from kprof.analyze.modules import group_paths
 
     paths = [r["module"] for r in details]
     where = ", ".join(f"{g} x {k}" if k > 1 else g or "<model>" for g, k in group_paths(paths))

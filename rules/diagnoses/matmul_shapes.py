@@ -41,7 +41,7 @@ import numpy as np
 import pandas as pd
 
 from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, n_steps, parse_script, step_ms
-from kprof.rules.diagnoses.manual_attention import _base, _shapes, mm_dims
+from kprof.rules.diagnoses.manual_attention import arg_shapes, base_name, mm_dims
 
 MIN_ALIGN_BYTES = 16  # tensor-core minimum (8 bf16/fp16 elements), NVIDIA's guide above
 IDEAL_ALIGN_BYTES = 128  # A100 and later (64 bf16/fp16 elements)
@@ -86,7 +86,7 @@ def matmul_rows(ops: pd.DataFrame, summary: dict) -> pd.DataFrame:
     need_cols = {"op", "input_shapes", "flops", "device_time (us)"}
     if ops is None or not len(ops) or not need_cols <= set(ops.columns):
         return pd.DataFrame()
-    base = ops["op"].map(_base)
+    base = ops["op"].map(base_name)
     sel = base.isin(["mm", "addmm", "bmm", "baddbmm"]).to_numpy().copy()
     if "phase" in ops:
         sel &= ops["phase"].isin(["fwd", "bwd"]).to_numpy()
@@ -96,7 +96,7 @@ def matmul_rows(ops: pd.DataFrame, summary: dict) -> pd.DataFrame:
     for col, default in (("module", ""), ("phase", "fwd"), ("module_class", "")):
         if col not in m:
             m[col] = default
-    dims = [mm_dims(o, _shapes(s)) for o, s in zip(m["op"], m["input_shapes"])]
+    dims = [mm_dims(o, arg_shapes(s)) for o, s in zip(m["op"], m["input_shapes"])]
     keep = np.array([d is not None for d in dims])
     m = m[keep]
     dims = [d for d in dims if d is not None]
@@ -232,7 +232,7 @@ def find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
             batch = f"{r.b} x " if r.b > 1 else ""
             shapes.append(f"{r.phase} {batch}[{r.M}, {r.K}] x [{r.K}, {r.N}]")
         paths = list(g.groupby("module")["t"].sum().sort_values(ascending=False).index)
-        from kprof.suggest import group_paths
+        from kprof.analyze.modules import group_paths
 
         grouped = group_paths(paths) if len(paths) > 1 else [(paths[0], 1)] if paths else []
         where = ", ".join(f"{pg} x {k}" if k > 1 else pg or "<model>" for pg, k in grouped)

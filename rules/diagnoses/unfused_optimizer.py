@@ -84,7 +84,7 @@ def optimizer_ops(ops: pd.DataFrame) -> pd.DataFrame:
     if ops is None or not len(ops) or "phase" not in ops:
         return pd.DataFrame(columns=["kind", "elements", "base"])
     o = ops[ops["phase"] == "optim"].copy()
-    from kprof.suggest import op_base
+    from kprof.analyze.modules import op_base
 
     o["base"] = op_base(o["op"]) if len(o) else pd.Series(dtype=str)
     o["elements"] = [elements(s) for s in o["input_shapes"]] if "input_shapes" in o else 0

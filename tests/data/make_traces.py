@@ -1,6 +1,6 @@
 """Record the small CPU traces the profile tests read, with kprof's range names emitted by hand.
 
-The runner (kprof/runner.py) emits `kprof.step#<n>` and `kprof.module:<path>:<Class>` ranges;
+The runner (kprof/capture/runner.py) emits `kprof.step#<n>` and `kprof.module:<path>:<Class>` ranges;
 here the same names come from a few lines of hooks, so the trace/analysis tests do not depend on
 the runner. The tests also call `record()` live (a fresh trace from the installed torch); the
 checked-in files pin one torch version's format (torch 2.13.0, CPU):

@@ -1,7 +1,6 @@
 """Planted: a foreach AdamW (multi-tensor, but one pass over memory per op)."""
 
 import torch
-
 from tiny import batch, iters, model
 
 m = model()

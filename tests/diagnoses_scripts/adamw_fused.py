@@ -1,7 +1,6 @@
 """Clean: a fused AdamW and no host sync in the loop (no diagnosis may fire)."""
 
 import torch
-
 from tiny import batch, iters, model
 
 m = model()

@@ -1,7 +1,6 @@
 """Planted: a for-loop AdamW (several elementwise ops per parameter per step)."""
 
 import torch
-
 from tiny import batch, iters, model
 
 m = model()

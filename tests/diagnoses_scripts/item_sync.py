@@ -2,7 +2,6 @@
 fused so that the sync is the only problem."""
 
 import torch
-
 from tiny import batch, iters, model
 
 m = model()

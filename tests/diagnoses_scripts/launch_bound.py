@@ -10,9 +10,8 @@ benchmarks/results/host-overhead-h200-20261129.txt). The GPU idles between them.
 import argparse
 
 import torch
-from torch import nn
-
 from tiny import iters
+from torch import nn
 
 DEPTH, WIDTH, BATCH = 24, 32, 4
 

@@ -10,9 +10,8 @@ import argparse
 import time
 
 import torch
-from torch.utils.data import DataLoader, Dataset
-
 from tiny import model
+from torch.utils.data import DataLoader, Dataset
 
 SAMPLE_MS = 2.0  # x 4 samples per batch = 8 ms of loading per step, against ~1 ms of compute
 BATCH = 4

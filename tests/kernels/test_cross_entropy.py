@@ -372,7 +372,7 @@ def test_reference_is_f_cross_entropy_without_extras():
 
 def test_fallback_without_triton(monkeypatch):
     monkeypatch.setattr(ce_mod, "use_triton", lambda t: False)
-    monkeypatch.setattr(_common, "_warned", set())
+    monkeypatch.setattr(common, "_warned", set())
     logits, target = _inputs(4, 30, torch.float32, "cpu")
     with pytest.warns(UserWarning, match="cross_entropy"):
         out = cross_entropy(logits, target, z_loss=1e-3)

@@ -13,6 +13,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+# Same directory, no package: pytest puts tests/kernels on sys.path (rootdir conftest, prepend).
+from test_cross_entropy import emulate_torch211_function_tracing  # noqa: E402
+
 from kprof.errors import KprofError
 from kprof.kernels import registry
 from kprof.kernels.common import assert_close, tol
@@ -23,9 +26,6 @@ from kprof.kernels.fused_linear_cross_entropy import (
     linear_cross_entropy_reference,
 )
 from kprof.kernels.registry import TensorMeta
-
-# Same directory, no package: pytest puts tests/kernels on sys.path (rootdir conftest, prepend).
-from test_cross_entropy import emulate_torch211_function_tracing  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

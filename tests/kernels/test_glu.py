@@ -281,9 +281,9 @@ def small_grid_y(monkeypatch):
     """StreamConfig.MAX_GRID_Y (CUDA's 65535) set to 3, so a launch has more row blocks than grid
     rows and each program walks several (the kernels' row-block loop); launch plans re-made."""
     monkeypatch.setattr(glu.StreamConfig, "MAX_GRID_Y", 3)
-    glu._launch_plan.cache_clear()
+    glu.stream_plan.cache_clear()
     yield
-    glu._launch_plan.cache_clear()
+    glu.stream_plan.cache_clear()
 
 
 @pytest.mark.parametrize("shape", [(37, 781), (64, 1024)], ids=["masked", "even"])
@@ -433,7 +433,7 @@ def test_errors(device):
 
 def test_fallback_without_triton_uses_reference(monkeypatch):
     monkeypatch.setattr(glu, "use_triton", lambda t: False)
-    monkeypatch.setattr(_common, "_warned", set())
+    monkeypatch.setattr(common, "_warned", set())
     g, u = torch.randn(3, 8), torch.randn(3, 8)
     with pytest.warns(UserWarning, match="using the PyTorch reference"):
         y = glu.swiglu(g, u)

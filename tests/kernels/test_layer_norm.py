@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kprof.errors import KprofError
-from kprof.kernels import registry
+from kprof.kernels import common
 from kprof.kernels import layer_norm as layer_norm_module
+from kprof.kernels import registry
 from kprof.kernels import rms_norm as rms_norm_module  # owns the shared RowConfig limits
 from kprof.kernels.common import assert_close
 from kprof.kernels.layer_norm import SPEC, LayerNorm, layer_norm, layer_norm_reference
@@ -123,7 +124,7 @@ def test_fp32_dweight_on_the_h200_grid(monkeypatch, device):
     (in _check), and dweight and dbias match the fp64 reference."""
     from test_rms_norm import H200_SM_COUNT
 
-    monkeypatch.setattr(rms_norm_module, "_sm_count", lambda device: H200_SM_COUNT)
+    monkeypatch.setattr(common, "sm_count", lambda device: H200_SM_COUNT)
     assert rms_norm_module.backward_grid(1823, _bwd_config(781), torch.device(device)) == (228, 8)
     _check(*_inputs((1823, 781), torch.float32, device))
 
@@ -177,41 +178,6 @@ def test_saved_mean_pair(shape, mean, device):
         assert ((hi - ref).abs() / std).max() > 1e-6  # lo carries what the fp32 mean cannot
     y = layer_norm(x, None, None, 1e-5)  # and the output saw the same mean
     assert_close(y, layer_norm_reference(x.double(), None, None, 1e-5))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backward_prefetch_variant(dtype, monkeypatch, device):
-    """The non-default backward knob against the same table: BWD_PREFETCH on (the next row block
-    loaded before this one's math; in-register and looped, and at |mean| 1000): bitwise the same
-    results as without, several blocks per program and a partial last one."""
-    knob, value = "BWD_PREFETCH", True
-    cases = [((37, 781), 0.5, "weight+bias"), ((9, 300), 1e3, "weight+bias"), ((23, 150), 0.5, "bias")]
-    for shape, mean, affine in cases:
-        x, w, b = _inputs(shape, dtype, device, affine, seed=7, mean=mean)
-        base = _grads(x, w, b)
-        monkeypatch.setattr(layer_norm_module, knob, value)
-        got = _grads(x, w, b)
-        _check(x, w, b)
-        monkeypatch.setattr(layer_norm_module, knob, not value)
-        for a, c in zip(got, base):
-            assert torch.equal(a, c)
-    monkeypatch.setattr(layer_norm_module, knob, value)
-    monkeypatch.setattr(rms_norm_module, "MAX_FUSED_N", 64)  # the looped path (prefetch: unused there)
-    monkeypatch.setattr(rms_norm_module, "LOOP_BLOCK_N", 32)
-    _check(*_inputs((11, 150), dtype, device, seed=2, mean=1e3))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("knob", ["PARTIALS_SUM_KERNEL", "HALF_PARTIALS_FP32"])
-def test_second_stage_variants(knob, dtype, monkeypatch, device):
-    """The dweight/dbias second stage: torch's sums instead of the one-launch kernel, and fp64
-    partial buffers for half inputs, give the same gradients (the same fp32 partials summed in
-    fp64; 4 programs on the CPU, where every fp64 sum here is exact), in the parameters' dtypes."""
-    x, w, b = _inputs((37, 781), dtype, device, p_dtype=torch.float32 if dtype != torch.float32 else None, seed=8)
-    base = _grads(x, w, b)
-    monkeypatch.setattr(rms_norm_module, knob, False)
-    for a, c in zip(_grads(x, w, b), base):
-        assert a.dtype == c.dtype and torch.equal(a, c)
 
 
 def _grads(x, w, b):
@@ -382,7 +348,7 @@ def test_module_rejects_multi_dim_shapes(device):
 
 def test_fallback_without_triton(monkeypatch):
     """CPU without the interpreter: warns once and runs the reference (with autograd)."""
-    from kprof.kernels import common
+    from kprof.kernels import common as _common
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(_common, "_warned", set())
@@ -444,23 +410,13 @@ def test_kernels_compile_for_sm90():
                 variants.append(("_layer_norm_fwd_kernel", dtype, dict(
                     HAS_WEIGHT=affine, HAS_BIAS=affine, LOOP=f.loop, EMULATE_RTNE=False, TREE_EMU=False,
                     BLOCK_M=f.block_m, BLOCK_N=f.block_n), f.num_warps))
-                # HALF_DW_ACC_FP64 both ways, BWD_PREFETCH (in-register path only)
-                for acc64, prefetch in ((True, False), (False, False), (False, not b.loop)):
-                    variants.append(("_layer_norm_bwd_kernel", dtype, dict(
-                        HAS_WEIGHT=affine, COMPUTE_DW=affine, COMPUTE_DB=affine, LOOP=b.loop, EMULATE_RTNE=False,
-                        ACC_F64=acc64, TREE_EMU=False, PREFETCH=prefetch,
-                        BLOCK_M=b.block_m, BLOCK_N=b.block_n), b.num_warps, partial_ptrs(acc64)))
+                acc64 = dtype == "*fp32"  # fp64 weight-grad partials for fp32 inputs only
+                variants.append(("_layer_norm_bwd_kernel", dtype, dict(
+                    HAS_WEIGHT=affine, COMPUTE_DW=affine, COMPUTE_DB=affine, LOOP=b.loop, EMULATE_RTNE=False,
+                    ACC_F64=acc64, TREE_EMU=False,
+                    BLOCK_M=b.block_m, BLOCK_N=b.block_n), b.num_warps, partial_ptrs(acc64)))
     aot_compile("kprof.kernels.layer_norm", variants)
 
 
 def _bwd_config(cols):
     return rms_norm_module.RowConfig.backward(cols, layer_norm_module.BWD_BLOCK_ELEMS, layer_norm_module.BWD_MAX_WARPS)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(37, 781), (3, 20000)], ids=["fused", "looped"])
-def test_half_inputs_with_fp64_dw_accumulators(shape, dtype, monkeypatch, device):
-    """HALF_DW_ACC_FP64 = True, the non-default setting (fp64 dw/db partials for half inputs;
-    the default fp32 ones run in every other half-precision test), against the same table."""
-    monkeypatch.setattr(rms_norm_module, "HALF_DW_ACC_FP64", True)
-    _check(*_inputs(shape, dtype, device, AFFINE[0]))

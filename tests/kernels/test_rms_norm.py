@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from kprof.errors import KprofError
 from kprof.kernels import registry
-from kprof.kernels.common import assert_close
+from kprof.kernels import common
 from kprof.kernels import rms_norm as rms_norm_module
+from kprof.kernels.common import assert_close
 from kprof.kernels.rms_norm import (
     ADD_SPEC,
     MAX_FUSED_N,
@@ -122,7 +123,7 @@ def test_fp32_dweight_on_the_h200_grid(monkeypatch, device):
     dweight now sums in fp64: it equals the exact sum of the kernel's own fp32 terms (checked in
     _check; 0.65 of the fp32 tolerance before) and is within 0.42 of the tolerance of the fp64
     reference (0.63 before; the GPU's approximate rsqrt adds to both)."""
-    monkeypatch.setattr(rms_norm_module, "_sm_count", lambda device: H200_SM_COUNT)
+    monkeypatch.setattr(common, "sm_count", lambda device: H200_SM_COUNT)
     cfg = rms_norm_module.RowConfig.backward(781)
     assert rms_norm_module.backward_grid(1823, cfg, torch.device(device)) == (228, 8)
     x, w = _inputs((1823, 781), torch.float32, device)
@@ -379,7 +380,7 @@ def test_module(device):
 
 def test_fallback_without_triton(monkeypatch):
     """CPU without the interpreter: warns once and runs the reference (with autograd)."""
-    from kprof.kernels import common
+    from kprof.kernels import common as _common
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(_common, "_warned", set())
@@ -497,15 +498,15 @@ def test_kernels_compile_for_sm90():
                 variants.append(("_rms_norm_fwd_kernel", dtype, dict(
                     HAS_RESIDUAL=resid, GEMMA=gemma, LOOP=f.loop, EMULATE_RTNE=False,
                     BLOCK_M=f.block_m, BLOCK_N=f.block_n), f.num_warps))
-                for acc64 in (True, False):  # HALF_DW_ACC_FP64 both ways
-                    variants.append(("_rms_norm_bwd_kernel", dtype, dict(
-                        HAS_DS=resid, LOOP=b.loop, EMULATE_RTNE=False, ACC_F64=acc64,
-                        BLOCK_M=b.block_m, BLOCK_N=b.block_n), b.num_warps, partial_ptrs(acc64)))
+                acc64 = dtype == "*fp32"  # fp64 weight-grad partials for fp32 inputs only
+                variants.append(("_rms_norm_bwd_kernel", dtype, dict(
+                    HAS_DS=resid, LOOP=b.loop, EMULATE_RTNE=False, ACC_F64=acc64,
+                    BLOCK_M=b.block_m, BLOCK_N=b.block_n), b.num_warps, partial_ptrs(acc64)))
     aot_compile("kprof.kernels.rms_norm", variants + partials_sum_variants())
 
 
 def partial_ptrs(acc64: bool) -> dict:
-    """Pointer types of the dw/db partial buffers: fp64, or fp32 (HALF_PARTIALS_FP32) with fp32 accumulators."""
+    """Pointer types of the dw/db partial buffers: fp64 (fp32 inputs), or fp32 (half inputs)."""
     t = "*fp64" if acc64 else "*fp32"
     return {"DW_PART": t, "DB_PART": t}
 
@@ -520,19 +521,6 @@ def partials_sum_variants() -> list:
         ("_partials_sum_kernel", out, {**consts, "HAS_SECOND": two}, m.PARTIALS_NUM_WARPS, {"PART": part, "PART2": part})
         for part, out, two in (("*fp32", "*bf16", True), ("*fp64", "*fp32", True), ("*fp32", "*fp16", False))
     ]
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(37, 781), (3, 20000)], ids=["fused", "looped"])
-def test_half_inputs_with_fp64_dw_accumulators(shape, dtype, monkeypatch, device):
-    """HALF_DW_ACC_FP64 = True, the non-default setting (fp64 per-program dw partials for half
-    inputs; the default fp32 ones run in every other half-precision test): the same tolerance
-    table, both kernel paths."""
-    assert not rms_norm_module.dw_acc_f64(dtype) and rms_norm_module.dw_acc_f64(torch.float32)
-    monkeypatch.setattr(rms_norm_module, "HALF_DW_ACC_FP64", True)
-    assert rms_norm_module.dw_acc_f64(dtype)
-    x, w = _inputs(shape, dtype, device)
-    _check(x, w)
 
 
 def _exact_partials(n_parts, n_cols, dtype, device, seed):
@@ -568,10 +556,9 @@ def test_sum_partials_exact(n_parts, n_cols, part_dtype, out_dtype, device):
     assert torch.equal(two[1], ref_b)
 
 
-def test_sum_partials_accumulates_in_fp64_and_is_deterministic(monkeypatch, device):
+def test_sum_partials_accumulates_in_fp64_and_is_deterministic(device):
     """Partials that cancel: 2^26 + v - 2^26 per column is v in fp64 to ~1e-8, where fp32
-    running sums (ulp 8 at 2^26) would return multiples of 8; two launches agree bitwise; the
-    torch path (PARTIALS_SUM_KERNEL off) gives the same sums."""
+    running sums (ulp 8 at 2^26) would return multiples of 8; two launches agree bitwise."""
     v = torch.randn(4, 300, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).to(device)
     big = torch.full((1, 300), 2.0**26, dtype=torch.float64, device=device)
     p = torch.cat([big, v, -big])
@@ -579,18 +566,3 @@ def test_sum_partials_accumulates_in_fp64_and_is_deterministic(monkeypatch, devi
     got = rms_norm_module.sum_partials((p, torch.float32))[0]
     assert_close(got, ref)  # fp64 rounding of the big terms only, far inside the fp32 table
     assert torch.equal(got, rms_norm_module.sum_partials((p, torch.float32))[0])
-    monkeypatch.setattr(rms_norm_module, "PARTIALS_SUM_KERNEL", False)
-    assert_close(rms_norm_module.sum_partials((p, torch.float32))[0], ref)
-
-
-@pytest.mark.parametrize("knob", ["PARTIALS_SUM_KERNEL", "HALF_PARTIALS_FP32"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_second_stage_variants(knob, dtype, monkeypatch, device):
-    """torch's sums instead of the second-stage kernel, and fp64 partial buffers for half inputs:
-    the same dweight bitwise (the same partial values summed in fp64; exact with the CPU's 4
-    programs here) and the same dx."""
-    x, w = _inputs((37, 781), dtype, device, seed=6)
-    base = _check(x, w)
-    monkeypatch.setattr(rms_norm_module, knob, False)
-    for a, b in zip(_check(x, w), base):
-        assert torch.equal(a, b)

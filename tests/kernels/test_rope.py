@@ -227,7 +227,7 @@ def test_torch_compile_no_graph_break(device):
 
 
 def test_fallback_without_triton(monkeypatch):
-    from kprof.kernels import common
+    from kprof.kernels import common as _common
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(_common, "_warned", set())

@@ -11,6 +11,7 @@ import runpy
 import sys
 
 import torch
+
 # `from ... import`, not the attribute: torch 2.11's torch/optim/__init__.py deletes the submodule
 # names from its namespace, so `torch.optim.optimizer` raises AttributeError there (H200, 2026-11-29).
 from torch.optim.optimizer import register_optimizer_step_post_hook

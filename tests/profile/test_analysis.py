@@ -1,4 +1,4 @@
-"""kprof.analysis: roofline numbers and classes against given ceilings, idle time, breakdowns."""
+"""kprof.analyze.tables: roofline numbers and classes against given ceilings, idle time, breakdowns."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kprof import analysis, costmodel, trace
-from kprof.ceilings import Ceilings
+from kprof.analyze import costmodel, trace
+from kprof.analyze import tables as analysis
+from kprof.analyze.ceilings import Ceilings
 
 DATA = Path(__file__).parents[1] / "data"
 

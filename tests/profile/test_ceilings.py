@@ -1,4 +1,4 @@
-"""kprof.ceilings: datasheet lookup, the cache, CPU calibration (quick), GPU calibration (marked)."""
+"""kprof.analyze.ceilings: datasheet lookup, the cache, CPU calibration (quick), GPU calibration (marked)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from kprof import ceilings
-from kprof.ceilings import Ceilings
+from kprof.analyze import ceilings
+from kprof.analyze.ceilings import Ceilings
 from kprof.errors import KprofError
 
 

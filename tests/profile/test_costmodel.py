@@ -1,4 +1,4 @@
-"""kprof.costmodel: exact FLOPs/bytes for known ops, exclusive costs over nested rows, coverage of
+"""kprof.analyze.costmodel: exact FLOPs/bytes for known ops, exclusive costs over nested rows, coverage of
 real training steps (tiny HF Llama, the GPT example) recorded on this CPU."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from kprof import analysis, costmodel, trace
-from kprof.costmodel import inclusive_cost
+from kprof.analyze import costmodel, trace
+from kprof.analyze import tables as analysis
+from kprof.analyze.costmodel import inclusive_cost
 
 ROOT = Path(__file__).parents[2]
 DATA = ROOT / "tests" / "data"

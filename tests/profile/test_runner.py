@@ -1,4 +1,4 @@
-"""kprof.runner on the planted scripts in tests/profile/scripts (tiny models, a few steps each).
+"""kprof.capture.runner on the planted scripts in tests/profile/scripts (tiny models, a few steps each).
 
 The scripts pick CUDA when it exists, so the same tests check a GPU run on the H200; the
 `gpu`-marked tests at the end check what only a GPU run has (CUDA events, kernels, real syncs).
@@ -16,8 +16,7 @@ import torch
 from torch import nn
 from torch.optim import optimizer as optim_module
 
-from kprof.errors import KprofError
-from kprof.runner import (
+from kprof.capture.runner import (
     AUTO_FORWARD_AFTER_CALLS,
     MODULE_RANGE_PREFIX,
     PARTIAL_STEP_RANGE_PREFIX,
@@ -26,6 +25,7 @@ from kprof.runner import (
     RunConfig,
     run_script,
 )
+from kprof.errors import KprofError
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TINYLM_PATHS = {"": "TinyLM", "embed": "Embedding", "mlp": "MLP", "mlp.up": "Linear", "mlp.act": "GELU", "mlp.down": "Linear", "head": "Linear"}
@@ -507,7 +507,7 @@ def test_gpu_run_times_with_cuda_events_and_sees_kernels_and_real_syncs(tmp_path
     # `gpu_user_annotation` copies of the step ranges are no contract: it derives them from the
     # innermost user range around each launch, and the module and optimizer ranges are inner;
     # the H200 run had one for three steps.)
-    from kprof import trace
+    from kprof.analyze import trace
 
     ev = trace.load_trace(r.trace_path)
     assert ev.device_type == "cuda" and list(ev.steps["step"]) == [0, 1, 2]
@@ -544,11 +544,11 @@ def test_gpu_grad_scaler_step_is_a_real_sync_at_the_users_line(tmp_path):
     assert sites and all(s["real"] for s in sites) and sites[0]["count"] >= 2, r.syncs
 
 
-# --------------------------------------------------------------------------- kprof.nvtx
+# --------------------------------------------------------------------------- kprof.capture.nvtx
 def test_nvtx_falls_back_when_the_package_is_missing(monkeypatch):
     import importlib
 
-    import kprof.nvtx as knvtx
+    import kprof.capture.nvtx as knvtx
 
     monkeypatch.setitem(sys.modules, "nvtx", None)  # `import nvtx` now raises ImportError
     try:
@@ -578,7 +578,7 @@ def test_runs_in_one_process_do_not_leak_into_each_other(tmp_path):
         "    m(torch.ones(1, 2)).sum().backward(); opt.step(); opt.zero_grad()\n"
         "print('device', helper_mod.DEVICE)\n"
     )
-    from kprof.runner import RunConfig, run_script
+    from kprof.capture.runner import RunConfig, run_script
 
     before = (torch.backends.cuda.matmul.allow_tf32, torch.get_default_dtype())
     for arg in ("first", "second"):
@@ -604,7 +604,7 @@ def test_modules_called_while_the_compiler_traces_are_never_taken_for_roots(tmp_
         "    make_fx(lambda x: traced_only(x))(torch.randn(2, 4))\n"
         "    m(torch.randn(3, 4)).sum().backward(); opt.step(); opt.zero_grad()\n"
     )
-    from kprof.runner import RunConfig, run_script
+    from kprof.capture.runner import RunConfig, run_script
 
     roots = []
     r = run_script(str(script), [], RunConfig(warmup=1, steps=1, trace_dir=str(tmp_path), on_root_module=roots.append))

@@ -1,4 +1,4 @@
-"""kprof.syncs.SyncDetector: which calls count as host syncs, and which line gets the blame.
+"""kprof.capture.syncs.SyncDetector: which calls count as host syncs, and which line gets the blame.
 
 The detector treats this test file as "the user's script" (its folder is the user's code), so
 each sync below must be attributed to the line of this file that made it.
@@ -9,12 +9,12 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-import numpy as np
+import numpy as np  # noqa: F401  (used by the eval'd statements)
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from kprof.syncs import SyncDetector
+from kprof.capture.syncs import SyncDetector
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""kprof.trace: loading Chrome traces, the op table, module/phase attribution, step windows.
+"""kprof.analyze.trace: loading Chrome traces, the op table, module/phase attribution, step windows.
 
 CPU traces are real (torch.profiler on this machine: checked-in tests/data/*.json.gz and a fresh
 one recorded here); the GPU-shaped trace is synthetic, written by hand below from the Kineto
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from kprof import trace
+from kprof.analyze import trace
 from kprof.errors import KprofError
 
 DATA = Path(__file__).parents[1] / "data"

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import copy
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kprof.patch import patch as kprof_patch
 from kprof.errors import KprofError
+from kprof.patching.install import patch as kprof_patch
 from kprof.rules import RULES, all_rules, find_matches, load_rules
 from kprof.rules.engine import probe_input
-
-from pathlib import Path
 
 CUSTOM = Path(__file__).resolve().parents[2] / "examples" / "custom_rules"
 

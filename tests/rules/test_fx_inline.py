@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kprof.patch import patch as kprof_patch
+from kprof.patching.install import patch as kprof_patch
 from kprof.rules import RULES, find_matches
 
 

@@ -4,7 +4,6 @@ before its first step). With --optimizer-first the optimizer exists during the e
 import sys
 
 import torch
-
 from tinylm import DEVICE, TinyLM, batch
 
 model = TinyLM().to(DEVICE)

@@ -3,7 +3,6 @@
 import sys
 
 import torch
-
 from tinylm import DEVICE, TinyLM, batch
 
 model = TinyLM().to(DEVICE)

@@ -1,7 +1,6 @@
 """Planted: no optimizer, an inference loop under no_grad (stepped by the outermost forward)."""
 
 import torch
-
 from tinylm import DEVICE, TinyLM, batch, iters_from_argv
 
 args = iters_from_argv(60)

@@ -1,7 +1,6 @@
 """Planted: mixed-precision style loop with a GradScaler (scaled loss passed to backward)."""
 
 import torch
-
 from tinylm import DEVICE, TinyLM, batch, iters_from_argv
 
 args = iters_from_argv(40)

@@ -2,9 +2,8 @@
 the loss computed by a second, separate root module (a criterion)."""
 
 import torch
-from torch import nn
-
 from tinylm import DEVICE, TinyLM, batch, iters_from_argv
+from torch import nn
 
 args = iters_from_argv(40)
 model = TinyLM().to(DEVICE)

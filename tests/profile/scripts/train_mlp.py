@@ -1,7 +1,6 @@
 """Planted: a plain training loop (AdamW), the model called with keyword arguments."""
 
 import torch
-
 from tinylm import DEVICE, TinyLM, batch, iters_from_argv
 
 args = iters_from_argv(40)

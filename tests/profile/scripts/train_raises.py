@@ -2,7 +2,6 @@
 optimizer steps."""
 
 import torch
-
 from tinylm import DEVICE, TinyLM, batch, iters_from_argv
 
 args = iters_from_argv(40)

@@ -1,7 +1,6 @@
 """Planted: the whole loop sits in `try/except Exception`, which must not swallow kprof's stop."""
 
 import torch
-
 from tinylm import DEVICE, TinyLM, batch, iters_from_argv
 
 args = iters_from_argv(40)

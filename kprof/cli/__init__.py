@@ -1,0 +1,223 @@
+"""kprof's command line: thin typer commands over the library (kprof.analyze.profile, kprof.store,
+kprof.analyze.ceilings); rendering in kprof.cli.render. KprofError is caught once, in main()."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Iterator, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.text import Text
+
+import kprof
+from kprof import store
+from kprof.errors import KprofError
+
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,  # main() prints KprofError itself; anything else is a kprof bug
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _version(value: bool) -> None:
+    if value:
+        console.print(f"kprof {kprof.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
+                                                    help="Print kprof's version and exit.")] = None,
+) -> None:
+    """Profile PyTorch training steps on the roofline, suggest fused kernels, patch them in."""
+
+
+# --------------------------------------------------------------------------------------------
+# kprof profile
+
+
+class StepMode(str, Enum):
+    auto = "auto"
+    optimizer = "optimizer"
+    forward = "forward"
+
+
+# The runner's phases, in order (kprof/capture/runner.py: run_script's progress events).
+PHASES = {"warmup": "warmup (untimed)", "timing": "timed steps", "profiler-warmup": "profiler warm-up",
+          "profiling": "profiled steps"}
+
+
+class _LiveProgress:
+    """Adapts the runner's progress(event, **info) callback to a rich display: one step counter
+    per phase while the script runs, then a spinner for the analysis."""
+
+    def __init__(self, progress: Progress):
+        self.p = progress
+        self.tasks: dict[str, int] = {}  # phase -> rich task id
+        self.totals: dict[str, int] = {}
+        self.spinner: int | None = None
+
+    def __call__(self, event: str, **info) -> None:
+        if event == "mode":
+            self.p.console.print(Text(f"kprof: one step = {info.get('step_definition')}", style="dim"))
+        elif event == "step":
+            # A "step" event marks the boundary where step `index` of `phase` begins, so `index`
+            # steps of that phase are done and every earlier phase is complete.
+            phase, index, total = info.get("phase"), info.get("index", 0), info.get("total")
+            order = list(PHASES)
+            done_phases = order if phase == "done" else order[: order.index(phase)] if phase in order else []
+            for ph in done_phases:
+                if ph in self.tasks:
+                    self.p.update(self.tasks[ph], completed=self.totals[ph])
+            if phase in PHASES and total:
+                if phase not in self.tasks:
+                    self.tasks[phase] = self.p.add_task(PHASES[phase], total=total)
+                self.totals[phase] = total
+                self.p.update(self.tasks[phase], completed=index, total=total)
+        elif event in ("export", "analysis", "save"):
+            label = {"export": "exporting the trace", "analysis": "analysing the trace",
+                     "save": "saving the run"}[event]
+            if self.spinner is None:
+                self.spinner = self.p.add_task(label, total=None)
+            else:
+                self.p.update(self.spinner, description=label)
+
+
+@contextmanager
+def _live() -> Iterator[_LiveProgress | None]:
+    # The live display goes to stderr so piped stdout stays the script's output plus the report.
+    if not err_console.is_terminal:
+        yield None
+        return
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    # The script's prints are routed above the live display, but only when stdout is the same
+    # terminal: `kprof profile x.py > log` must still put the script's output in the log.
+    with Progress(*columns, console=err_console, transient=True, redirect_stdout=sys.stdout.isatty(),
+                  redirect_stderr=True) as p:
+        yield _LiveProgress(p)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": False})
+def profile(
+    ctx: typer.Context,
+    script: Annotated[Path, typer.Argument(help="The training script to run, unmodified. "
+                                                "Arguments after `--` go to the script.")],
+    warmup: Annotated[int, typer.Option(help="Steps run before timing starts (compilation, "
+                                             "autotuning, allocator warm-up).")] = 3,
+    steps: Annotated[int, typer.Option(help="Steps timed without the profiler, and again under it.")] = 5,
+    run_to_end: Annotated[bool, typer.Option("--run-to-end", help="Let the script finish instead "
+                                             "of stopping it after the recorded steps.")] = False,
+    step: Annotated[StepMode, typer.Option("--step", help="What one step is: optimizer (each "
+                                      "optimizer.step()), forward (each call of the outermost "
+                                      "module) or auto (optimizer if the script has one).")] = StepMode.auto,
+    out: Annotated[Path, typer.Option("--out", help="Run store directory.")] = store.DEFAULT_ROOT,
+) -> None:
+    """Run SCRIPT under the profiler and show where each step's time goes, on the roofline."""
+    from kprof.analyze.profile import profile_script
+    from kprof.cli import render as report
+
+    argv = list(ctx.args)
+    with _live() as live:
+        run = profile_script(str(script), argv, warmup=warmup, steps=steps, run_to_end=run_to_end,
+                             step_mode=step.value, out_root=out, progress=live)
+    report.render(run.summary, run.path, console)
+    if run.summary.get("status") == "error":
+        raise typer.Exit(run.summary.get("exit_code") or 1)
+    if run.summary.get("status") == "interrupted":
+        raise typer.Exit(130)  # 128 + SIGINT, the shell's convention
+
+
+# --------------------------------------------------------------------------------------------
+# kprof runs / report / calibrate
+
+
+@app.command()
+def runs(
+    out: Annotated[Path, typer.Option("--out", help="Run store directory.")] = store.DEFAULT_ROOT,
+) -> None:
+    """List saved runs, oldest first."""
+    from kprof.cli import render as report
+
+    paths = store.list_runs(out)
+    if not paths:
+        console.print(f"no runs in {out}; profile a script first: kprof profile SCRIPT")
+        return
+    rows, problems = [], []
+    for p in paths:
+        try:
+            s = store.load_summary(p)
+        except KprofError as e:  # one broken run must not hide the others
+            rows.append(dict(run=p.name, status="[red]unreadable[/red]", device="", step="",
+                             **{"ms/step": "", "steps": ""}))
+            problems.append(str(e))
+            continue
+        st = s.get("step_time_ms") or {}
+        rows.append(dict(run=p.name, status=s.get("status", "?"), device=(s.get("device") or {}).get("name", "?"),
+                         step=s.get("step_definition") or "?", **{"ms/step": report.fmt_ms(st.get("median")),
+                                                                   "steps": str(s.get("steps_recorded", "?"))}))
+    report.render_runs(rows, console)
+    for msg in problems:
+        console.print(Text(msg, style="red"))
+
+
+@app.command("report")
+def report_cmd(
+    run: Annotated[Optional[str], typer.Argument(help="Run directory or name; default: the latest.")] = None,
+    out: Annotated[Path, typer.Option("--out", help="Run store directory.")] = store.DEFAULT_ROOT,
+) -> None:
+    """Show a saved run's report again."""
+    from kprof.cli import render as report
+
+    r = store.load_run(run, out)
+    report.render(r.summary, r.path, console)
+    if (Path(r.path) / store.COMPARE).is_file():  # one variant of `kprof apply --compare`: show them all
+        from kprof.cli.patch_cmds import render_compare
+        from kprof.patching.compare import CompareResult, load_compare
+
+        console.print()
+        render_compare(CompareResult.from_dict(load_compare(r.path)), console)
+
+
+@app.command()
+def calibrate(
+    quick: Annotated[bool, typer.Option("--quick", help="Smaller sizes and fewer repeats: "
+                                        "seconds instead of a minute, less accurate.")] = False,
+) -> None:
+    """Measure this device's memory bandwidth, matmul peaks and launch latency; cache them."""
+    from dataclasses import asdict
+
+    from kprof.analyze import ceilings
+    from kprof.capture.runner import device_info
+    from kprof.cli import render as report
+
+    dev = device_info()
+    with err_console.status(f"measuring {dev.get('name', 'the device')}{' (quick)' if quick else ''}..."):
+        c = ceilings.calibrate(dev, quick=quick)
+    report.render_ceilings(asdict(c), str(ceilings.cache_path(dev)), console)
+
+
+# `kprof suggest` and `kprof apply` live in kprof/cli/patch_cmds.py, beside the rule engine they drive.
+from kprof.cli import patch_cmds as cli_patch
+
+cli_patch.register(app)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point; the one place a KprofError becomes a red message and its exit code (1, or 2
+    for usage errors). Click handles its own usage errors (exit 2) in standalone mode."""
+    try:
+        app(args=argv, prog_name="kprof")
+    except KprofError as e:
+        err_console.print(Text("error: ", style="bold red") + Text(str(e), style="red"))
+        sys.exit(e.exit_code)

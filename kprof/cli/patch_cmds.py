@@ -1,0 +1,317 @@
+"""`kprof suggest` and `kprof apply`: thin typer commands over kprof.plan.suggest and kprof.patching.apply, and
+their rendering. kprof.cli registers them with `patch_cmds.register(app)`; a
+KprofError raised here is printed by kprof.cli.main like any other.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Annotated, Optional
+
+import pandas as pd
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kprof import store
+
+console = Console()
+
+
+def _f(v, fmt: str = "{:.2f}") -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "?"
+    return fmt.format(v)
+
+
+def render_plan(plan: pd.DataFrame, run_name: str, plan_path: Path, out: Console | None = None,
+                diagnoses: pd.DataFrame | None = None) -> None:
+    out = out or console
+    diag = diagnoses if diagnoses is not None else pd.DataFrame()
+    if not len(plan) and not len(diag):
+        out.print(f"kprof suggest: no pattern kprof can fix was found in run {run_name}.")
+        return
+    t = Table(title=f"suggestions for {run_name} (saved to {plan_path})", show_lines=True)
+    for c in ("id", "where", "evidence", "change", "est. saving", "confidence", "how"):
+        t.add_column(c, overflow="fold")
+    for r in plan.to_dict("records"):
+        where = r["where"] + (f"\n{r['module_class']}" if r["module_class"] else "") + (f"\n{r['source']}" if r["source"] else "")
+        evidence = (f"{_f(r['ms/step'])} ms/step ({_f(r['% of step'], '{:.1f}')}% of step)\n"
+                    f"{r['class']}, {_f(r['% of roofline'], '{:.0f}')}% of roofline")
+        saving = f"{_f(r['saving ms/step'])} ms/step\n({_f(r['saving %'], '{:.1f}')}% of step)"
+        t.add_row(r["id"], where, evidence, r["change"], saving, r["confidence"], r["how"])
+    # Diagnoses (kprof.rules.diagnoses) after the kernel rules: script changes, not patches.
+    for r in diag.to_dict("records"):
+        where = r["where"] + (f"\n{r['source']}" if r["source"] else "")
+        bound = "<= " if str(r["saving note"]).startswith("upper bound") else ""
+        saving = (f"{bound}{_f(r['saving ms/step'])} ms/step\n({_f(r['saving %'], '{:.1f}')}% of step)"
+                  if r["saving ms/step"] == r["saving ms/step"] else "?")
+        t.add_row(r["id"], where, r["evidence"], r["change"], f"{saving}\n{r['saving note']}", r["confidence"], r["how"])
+    if not len(plan):
+        t.title = f"diagnoses for {run_name} (no kernel pattern found; saved to {plan_path})"
+    # A host-bound run's caveat is the same on every kernel row (kprof.analyze.modules.host_bound): once.
+    caveats = dict.fromkeys(c for c in (plan["caveat"] if "caveat" in plan else []) if c)
+    for c in caveats:
+        out.print(f"caveat: {c}", style="yellow", markup=False)
+    out.print(t)
+    if len(plan):
+        out.print("estimated saving = measured time of the matched ops - the replacement's roofline time at "
+                  "the same shapes (kernel spec FLOPs/bytes at this run's ceilings)", style="dim")
+
+
+def suggest_cmd(
+    run: Annotated[Optional[str], typer.Argument(help="Run directory or name (default: the latest).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    rules: Annotated[Optional[Path], typer.Option("--rules", help="A folder of extra rule files "
+                                                   "(see examples/custom_rules/); they take precedence.")] = None,
+    out: Annotated[Path, typer.Option("--out", help="Run store directory.")] = store.DEFAULT_ROOT,
+) -> None:
+    """Rank fixes for a profiled run (fused kernels, SDPA) with evidence and estimated savings,
+    then the diagnoses no kernel fixes (host syncs, fp32 matmuls, unfused optimizer)."""
+    from kprof.plan.suggest import PLAN, plan_records, save_plan, suggest
+    from kprof.rules import all_rules
+    from kprof.rules.diagnoses import diagnose
+
+    r = store.load_run(run, out)
+    plan = suggest(r, all_rules(str(rules) if rules else None))
+    diag = diagnose(r)
+    path = save_plan(r, plan, diag)
+    if json_out:
+        print(json.dumps({"run": r.name, "plan": str(path), "host_bound": store.jsonable(plan.attrs.get("host_bound")),
+                          "suggestions": plan_records(plan), "diagnoses": plan_records(diag)}, indent=1))
+    else:
+        render_plan(plan, r.name, Path(r.path) / PLAN, diagnoses=diag)
+
+
+def render_apply(res, out: Console | None = None) -> None:
+    out = out or console
+    for rep in res.reports:
+        t = Table(title="patches (verified on their first call against the original code)")
+        for c in ("rule", "where", "status", "verification", "source"):
+            t.add_column(c, overflow="fold")
+        for rec in rep.records:
+            style = {"verified": "green", "reverted": "red"}.get(rec.status, "yellow")
+            t.add_row(rec.rule, rec.path or "<model>", f"[{style}]{rec.status}[/{style}]",
+                      rec.verification.summary() if rec.verification else "not called", rec.source)
+        out.print(t)
+    t = Table(title=f"before ({res.before.name}) vs after ({res.after.name})")
+    for c in ("metric", "before", "after", "change %"):
+        t.add_column(c, justify="right" if c != "metric" else "left")
+    for r in res.steps.to_dict("records"):
+        t.add_row(r["metric"], _f(r["before"]), _f(r["after"]), _f(r["change %"], "{:+.1f}"))
+    out.print(t)
+    t = Table(title="per suggestion: saving (ms/step)")
+    for c in ("id", "where", "predicted", "measured", "verified/patched"):
+        t.add_column(c, overflow="fold")
+    for r in res.suggestions.to_dict("records"):
+        t.add_row(r["id"], r["where"] or "", _f(r["predicted saving ms/step"]), _f(r["measured saving ms/step"]),
+                  f"{r['verified']}/{r['patched']}" + (f" ({r['failed']} reverted)" if r["failed"] else ""))
+    out.print(t)
+    t = Table(title="first losses")
+    for c in ("step", "before", "after", "rel diff"):
+        t.add_column(c, justify="right")
+    for r in res.losses.to_dict("records"):
+        t.add_row(str(r["step"]), f"{r['before']:.6f}", f"{r['after']:.6f}", f"{r['rel diff']:.2e}")
+    out.print(t)
+    if res.losses_agree is True:
+        out.print(f"[green]first loss agrees within the patched dtype's tolerance (rtol {res.loss_tolerance:g})[/green]")
+    elif res.losses_agree is False:
+        out.print(f"[red]first loss differs beyond the tolerance (rtol {res.loss_tolerance:g}): is the script "
+                  "seeded? If it is, report this with both run directories[/red]")
+    else:
+        out.print("[yellow]losses not compared (no losses recorded or no patch verified)[/yellow]")
+    for n in res.notes:
+        out.print(f"[yellow]note:[/yellow] {n}")
+
+
+def _ms(x) -> str:
+    if x is None or not math.isfinite(x):
+        return "?"
+    return f"{x:.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.2f}"
+
+
+def _mem(b) -> str:
+    if b is None:
+        return "?"
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.0f} MiB"
+
+
+def _first_line(text: str | None, n: int = 90) -> str:
+    """The telling line of an error: a traceback's `SomeError: message` line, else its first line."""
+    import re
+
+    lines = [ln.strip() for ln in (text or "").strip().splitlines() if ln.strip()]
+    exc = [ln for ln in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Failed|Interrupt)\b.*", ln)]
+    line = exc[-1] if exc else (lines[0] if lines else "")
+    return line if len(line) <= n else line[: n - 1] + "…"
+
+
+def render_compare(res, out: Console | None = None) -> None:
+    """The --compare table, its notes and the verdict (kprof.patching.compare.CompareResult)."""
+    out = out or console
+    dev = res.device or {}
+    kind = "CPU" if res.cpu else "GPU"
+    t = Table(title=f"kprof apply --compare: {Path(res.script).name} on {dev.get('name', '?')} ({kind}), "
+                    f"{res.warmup} warm-up + {res.steps} timed steps per variant")
+    for c in ("variant", "ms/step", "p10-p90", "vs eager", "peak memory", "warm-up s", "loss @step", "loss diff",
+              "details"):
+        # Compact cells, the long text in the notes below: an 80-column terminal (the H200
+        # machine's) otherwise folds every cell into a column of fragments.
+        t.add_column(c, justify="left" if c in ("variant", "details") else "right", overflow="fold",
+                     no_wrap=c == "variant")
+    eager = res.row("eager")
+    for r in res.variants:
+        details = []
+        if r.patches:
+            ok = sum(p["status"] == "verified" for p in r.patches)
+            bad = sum(p["status"] == "reverted" for p in r.patches)
+            details.append(f"{ok}/{len(r.patches)} verified" + (f", [red]{bad} reverted[/red]" if bad else ""))
+        elif "kprof" in r.variant and r.status == "ok":
+            details.append("[yellow]no patch matched[/yellow]")
+        if r.compile:
+            gb = r.compile.get("graph_breaks")
+            style = "green" if gb == 0 else "yellow"
+            details.append(f"{_f(r.compile.get('graphs'), '{:d}')} graphs, [{style}]{_f(gb, '{:d}')} breaks[/{style}]")
+        if r.status == "failed":
+            details.append("[red]failed (below)[/red]")
+        elif r.status == "skipped":
+            details.append(f"[yellow]skipped: {_first_line(r.error, 200)}[/yellow]")
+        st = r.step_time_ms or {}
+        spread = f"{_ms(st.get('p10'))}-{_ms(st.get('p90'))}" if st.get("median") is not None else ""
+        warm = ""
+        if r.warmup_s is not None:
+            warm = f"{r.warmup_s:.2f}"
+            if r is not eager and eager is not None and eager.warmup_s is not None:
+                warm += f" ({r.warmup_s - eager.warmup_s:+.2f})"
+        loss = f"{r.first_loss:.6g} @{r.loss_step}" if r.first_loss is not None else ""
+        if r.variant == "eager" or r.loss_agree is None:
+            agree = "" if r.variant == "eager" or r.first_loss is None else "not compared"
+        else:
+            agree = (f"[green]{r.loss_rel_diff:.1e} ok[/green]" if r.loss_agree
+                     else f"[red]{r.loss_rel_diff:.1e} DIFFERS[/red]")
+        speed = f"{r.speedup:.2f}x" if r.speedup is not None else ""
+        name = r.variant if r.status == "ok" else f"[dim]{r.variant}[/dim]"
+        t.add_row(name, _ms(st.get("median")) if st else "", spread, speed,
+                  _mem(r.peak_memory_bytes) if r.run else "", warm, loss, agree, "\n".join(details))
+    out.print(t)
+    kind_mem = next((r.peak_memory_kind for r in res.variants if r.peak_memory_kind), "")
+    out.print(f"ms/step: median of the timed steps (unprofiled); vs eager: eager's median / this one's; warm-up: "
+              f"first module call to the first timed step (+ vs eager); peak memory: {kind_mem or '?'}; loss @step: "
+              "the first step run wholly with the variant's code; loss diff: relative to eager's loss at that step "
+              "(the steps before ran the script as written)", style="dim")
+    for r in res.variants:
+        if r.status == "failed":
+            lines = (r.error or "").strip().splitlines()
+            shown = lines if len(lines) <= 12 else lines[:3] + ["  ..."] + lines[-8:]
+            out.print(f"[red]{r.variant} failed:[/red]")
+            for ln in shown:
+                out.print(f"  {ln}", markup=False, highlight=False)
+    # The same note on several rows (e.g. both kprof rows) once, naming the rows.
+    grouped: dict[str, list[str]] = {}
+    for r in res.variants:
+        if r.compile and r.compile.get("break_reasons"):
+            for reason in r.compile["break_reasons"]:
+                grouped.setdefault(f"graph breaks: {reason}", []).append(r.variant)
+        for n in r.notes:
+            grouped.setdefault(n, []).append(r.variant)
+    for n, rows in grouped.items():
+        out.print(f"[yellow]note ({', '.join(rows)}):[/yellow] {n}")
+    kprof_rows = [r for r in res.variants if r.patches]
+    if kprof_rows:
+        by_rule: dict[str, int] = {}
+        for p in kprof_rows[0].patches:
+            by_rule[p["rule"]] = by_rule.get(p["rule"], 0) + 1
+        out.print(f"kprof patches (plan of run {res.plan_run}): "
+                  + ", ".join(f"{k} x{n}" if n > 1 else k for k, n in by_rule.items()))
+    for n in res.notes:
+        out.print(f"[yellow]note:[/yellow] {n}")
+    out.print(f"[bold]verdict: {res.verdict}[/bold]")
+    for r in res.variants:
+        if r.run:
+            out.print(f"run  {r.variant:14s} {r.run}", highlight=False)
+    if res.saved:
+        out.print(f"compare.json saved in each variant's run, e.g. {res.saved[0]}", highlight=False)
+
+
+def _compare_progress(event: str, **info) -> None:
+    from kprof.cli import err_console
+
+    i, n, v = info.get("index", 0) + 1, info.get("total", 0), info.get("variant")
+    if event == "start":
+        err_console.print(f"[dim]kprof compare: running {v} ({i}/{n}) in its own process...[/dim]")
+    elif event == "done":
+        r = info["result"]
+        what = "ok" if r.status == "ok" else f"[red]{r.status}[/red]"
+        err_console.print(f"[dim]kprof compare: {v} {what} ({r.wall_s or 0:.1f} s)[/dim]")
+
+
+def apply_cmd(
+    ctx: typer.Context,
+    script: Annotated[Path, typer.Argument(help="The profiled training script. Arguments after `--` go to it.")],
+    patch: Annotated[str, typer.Option("--patch", help="'all' or comma-separated suggestion ids from `kprof suggest`.")] = "all",
+    strict: Annotated[bool, typer.Option("--strict", help="Fail if any patch fails verification "
+                                         "(default: revert it, report, go on).")] = False,
+    write: Annotated[Optional[Path], typer.Option("--write", help="Write the lines that keep these patches "
+                                                  "(kprof.patch) to this file; '-' prints them.")] = None,
+    run: Annotated[Optional[str], typer.Option("--run", help="The run whose plan to apply (default: the latest run "
+                                               "of the script as written, not a patched or compiled one).")] = None,
+    rules: Annotated[Optional[Path], typer.Option("--rules", help="A folder of extra rule files.")] = None,
+    out: Annotated[Path, typer.Option("--out", help="Run store directory.")] = store.DEFAULT_ROOT,
+    compare: Annotated[bool, typer.Option("--compare", help="Run the script as eager, with kprof's patches, under "
+                                          "torch.compile and both, each in its own process and saved as a run, "
+                                          "and compare them in one table with a verdict.")] = False,
+    variants: Annotated[Optional[str], typer.Option("--variants", help="With --compare: which of "
+                                                    "eager,kprof,compile,kprof+compile to run (default: all).")] = None,
+    compile_mode: Annotated[Optional[str], typer.Option("--compile-mode", help="With --compare: torch.compile's mode "
+                                                        "(default, reduce-overhead, max-autotune, "
+                                                        "max-autotune-no-cudagraphs).")] = None,
+    warmup: Annotated[Optional[int], typer.Option("--warmup", help="With --compare: untimed steps per variant "
+                                                  "(default: the planned run's; at least 3 with compile).")] = None,
+    steps: Annotated[Optional[int], typer.Option("--steps", help="With --compare: timed (and recorded) steps per "
+                                                 "variant (default: the planned run's).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="With --compare: print the comparison as JSON.")] = False,
+) -> None:
+    """Re-run SCRIPT with the planned patches, verified on first use, and compare before/after;
+    with --compare, against torch.compile too."""
+    from kprof.errors import KprofError
+
+    if not compare:
+        given = [o for o, v in (("--variants", variants), ("--compile-mode", compile_mode), ("--warmup", warmup),
+                                ("--steps", steps), ("--json", json_out or None)) if v is not None]
+        if given:
+            raise KprofError(f"{', '.join(given)} only go{'es' if len(given) == 1 else ''} with --compare "
+                             f"(kprof apply SCRIPT --compare {' '.join(given)} ...)", exit_code=2)
+    else:
+        if write is not None:
+            raise KprofError("--write goes with a plain `kprof apply --patch ...` run, not --compare; run that once "
+                             "the comparison says the patches are worth keeping", exit_code=2)
+        from kprof.patching.compare import compare as run_compare
+
+        res = run_compare(str(script), list(ctx.args), variants=variants, patch=patch, run=run, strict=strict,
+                          rules_dir=str(rules) if rules else None, compile_mode=compile_mode or "default",
+                          warmup=warmup, steps=steps, out_root=out, progress=_compare_progress)
+        if json_out:
+            print(json.dumps(res.to_dict() | {"saved": res.saved}, indent=1, allow_nan=False))
+        else:
+            render_compare(res)
+        return
+
+    from kprof.patching.apply import apply
+
+    res = apply(str(script), list(ctx.args), patch=patch, run=run, strict=strict,
+                rules_dir=str(rules) if rules else None, out_root=out)
+    render_apply(res)
+    if write is not None:
+        if str(write) == "-":
+            print(res.write_lines, end="")
+        else:
+            write.write_text(res.write_lines)
+            console.print(f"wrote {write}: add its lines to your script to keep the patches")
+
+
+def register(app: typer.Typer) -> None:
+    """Add `suggest` and `apply` to kprof's typer app (called from kprof/cli/__init__.py)."""
+    app.command("suggest")(suggest_cmd)
+    app.command("apply", context_settings={"allow_extra_args": True, "ignore_unknown_options": False})(apply_cmd)

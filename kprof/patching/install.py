@@ -1,0 +1,266 @@
+"""`kprof.patch(model)`: put kprof's fused kernels into a live model, proven on first use.
+
+    import kprof
+    report = kprof.patch(model)                       # every built-in rule that matches
+    report = kprof.patch(model, rules=["rms_norm", "gated_mlp"], strict=True)
+    print(report)                                     # what matched where, and verification results
+    report.unpatch()                                  # back to the original forwards
+
+How a patch is installed: an instance-level `forward` on the matched module (or, for RoPE, the
+function name in the model class's Python module), built from the module's own children and
+Parameters. No module is swapped and no Parameter is created, so `model.parameters()`, optimizer
+state and `state_dict()` keys are exactly as before; `unpatch()` deletes the instance attributes.
+
+With `verify=True` (the default) each patch is proven at its first real call: the original and
+the patched code run on copies of that call's arguments, forward and backward, and are compared
+(kprof/patching/verify.py; in bf16/fp16 both against the original code run in fp32). A patch that fails is reverted on the spot and reported with its measured
+error; with `strict=True` the failure raises KprofError instead. Until its first call a patch is
+"pending".
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.nn as nn
+
+from kprof.errors import KprofError
+from kprof.patching.verify import Verification, verify_call
+
+_MISSING = object()
+
+
+@dataclass
+class PatchRecord:
+    """One matched pattern and what happened to it."""
+
+    rule: str
+    path: str
+    source: str
+    params: dict
+    status: str = "pending"  # pending | verified | installed (verify=False) | reverted | removed
+    verification: Verification | None = None
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("pending", "verified", "installed")
+
+
+class _Unit:
+    """The overrides of one match, their original values, and the first-call gate."""
+
+    def __init__(self, match, record: PatchRecord, *, verify: bool, strict: bool, on_verified=None):
+        self.match, self.record, self.strict, self.on_verified = match, record, strict, on_verified
+        rule, tgt = match.rule, match.target
+        if match.is_module:
+            mods = dict(tgt.named_modules())
+            self.overrides = [(mods[rel], "forward", fn) for rel, fn in rule.replace(tgt, match.params).items()]
+            self.params = [(n, p) for n, p in tgt.named_parameters() if p.requires_grad]
+            # What the fp32 truth run of a half-precision unit upcasts (kprof/patching/verify.py).
+            self.state = list(tgt.parameters()) + [b for b in tgt.buffers() if b.is_floating_point()]
+        else:
+            self.overrides = [(tgt, match.attr, rule.replace_fn(getattr(tgt, match.attr), match.params))]
+            self.params = []
+            self.state = []
+        self.entry = (tgt, match.attr)
+        self.saved = [(o, a, o.__dict__.get(a, _MISSING)) for o, a, _ in self.overrides]
+        if not any((o, a) == self.entry for o, a, _ in self.overrides):
+            self.saved.append((tgt, match.attr, tgt.__dict__.get(match.attr, _MISSING)))
+        self.busy = False
+        if verify:
+            # Verification runs eagerly even when the first call happens inside a torch.compile'd
+            # model (Dynamo would otherwise trace autograd.grad and the RNG forks); once installed,
+            # the patched forwards are plain functions over custom ops that Dynamo traces.
+            setattr(tgt, match.attr, torch.compiler.disable(self._gate))
+            record.status = "pending"
+        else:
+            self._install()
+            record.status = "installed"
+
+    # -- state
+    def _install(self, skip_entry: bool = False) -> None:
+        for o, a, fn in self.overrides:
+            if not (skip_entry and (o, a) == self.entry):
+                setattr(o, a, fn)
+
+    def _restore(self) -> None:
+        for o, a, old in reversed(self.saved):
+            if old is _MISSING:
+                o.__dict__.pop(a, None)
+            else:
+                setattr(o, a, old)
+
+    def _original_entry(self) -> Callable:
+        tgt, attr = self.entry
+        old = next(old for o, a, old in self.saved if (o, a) == self.entry)
+        if old is not _MISSING:
+            return old
+        return type(tgt).forward.__get__(tgt)  # the class's forward, bound
+
+    def _patched_entry(self) -> Callable:
+        entry_fn = next((fn for o, a, fn in self.overrides if (o, a) == self.entry), None)
+        original = self._original_entry()
+
+        def call(*args, **kwargs):
+            # Children overrides (e.g. Linear -> bias_gelu, act -> identity) live only during the call.
+            self._install(skip_entry=True)
+            try:
+                return (entry_fn or original)(*args, **kwargs)
+            finally:
+                for o, a, old in self.saved:
+                    if (o, a) != self.entry:
+                        if old is _MISSING:
+                            o.__dict__.pop(a, None)
+                        else:
+                            setattr(o, a, old)
+
+        return call
+
+    def _gate(self, *args, **kwargs):
+        if self.busy:  # re-entered from inside our own verification
+            return self._original_entry()(*args, **kwargs)
+        self.busy = True
+        try:
+            v = verify_call(self._original_entry(), self._patched_entry(), args, kwargs,
+                            [p for _, p in self.params], select=self.match.rule.outputs,
+                            param_names=[n for n, _ in self.params], state=self.state)
+        finally:
+            self.busy = False
+        self.record.verification = v
+        if v.ok:
+            self._restore()
+            self._install()
+            self.record.status = "verified"
+        else:
+            self._restore()
+            self.record.status = "reverted"
+            msg = f"kprof patch {self.record.rule} at {self.record.path} failed verification: {v.summary()}"
+            if self.strict:
+                raise KprofError(msg + "; drop --strict to keep the original code for this module and go on")
+            warnings.warn(msg + "; reverted to the original code", stacklevel=2)
+        if self.on_verified is not None:
+            self.on_verified(self.record)
+        tgt, attr = self.entry
+        return getattr(tgt, attr)(*args, **kwargs)
+
+    def remove(self) -> None:
+        self._restore()
+        if self.record.status in ("pending", "installed"):
+            self.record.status = "removed"  # verified / reverted stay: they are results
+
+
+@dataclass
+class PatchReport:
+    """What `kprof.patch` matched and did. `unpatch()` restores every original forward."""
+
+    records: list[PatchRecord] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (rule id, why it could not apply)
+    _units: list[_Unit] = field(default_factory=list, repr=False)
+    active: bool = True  # False after unpatch()
+
+    def unpatch(self) -> None:
+        for u in reversed(self._units):
+            u.remove()
+        self._units.clear()
+        self.active = False
+
+    @property
+    def failed(self) -> list[PatchRecord]:
+        return [r for r in self.records if r.status == "reverted"]
+
+    @property
+    def pending(self) -> list[PatchRecord]:
+        return [r for r in self.records if r.status == "pending"]
+
+    def by_rule(self) -> dict[str, list[PatchRecord]]:
+        out: dict[str, list[PatchRecord]] = {}
+        for r in self.records:
+            out.setdefault(r.rule, []).append(r)
+        return out
+
+    def to_frame(self):
+        import pandas as pd
+
+        return pd.DataFrame([
+            {"rule": r.rule, "path": r.path, "status": r.status, "source": r.source,
+             "verification": r.verification.summary() if r.verification else "", "note": r.note}
+            for r in self.records
+        ], columns=["rule", "path", "status", "source", "verification", "note"])
+
+    def __str__(self) -> str:
+        lines = [f"kprof.patch: {len(self.records)} patch(es)"]
+        for r in self.records:
+            v = f"  [{r.verification.summary()}]" if r.verification else ""
+            lines.append(f"  {r.rule:22s} {r.path or '<model>':40s} {r.status}{v}{'  ' + r.note if r.note else ''}")
+        for rid, why in self.skipped:
+            lines.append(f"  {rid:22s} skipped: {why}")
+        return "\n".join(lines)
+
+
+def resolve_rules(rules: str | Sequence[Any] | None = None, rules_dir: str | None = None):
+    """`None`/"all" -> every rule (user rules first); ids and/or Rule objects -> those, in
+    precedence order (Rule objects given directly go first)."""
+    from kprof.rules import all_rules
+    from kprof.rules.engine import Rule, select
+
+    pool = all_rules(rules_dir)
+    if rules is None or rules == "all":
+        return pool
+    if isinstance(rules, str):
+        rules = [r.strip() for r in rules.split(",") if r.strip()]
+    given = [r for r in rules if isinstance(r, Rule)]
+    ids = [r for r in rules if isinstance(r, str)]
+    bad = [r for r in rules if not isinstance(r, (Rule, str))]
+    if bad:
+        raise KprofError(f"rules must be rule ids or kprof.rules.Rule objects, got {bad!r}")
+    return given + (select(pool, ids) if ids else [])
+
+
+def patch(
+    model: nn.Module,
+    rules: str | Sequence[Any] | None = None,
+    *,
+    verify: bool = True,
+    strict: bool = False,
+    rules_dir: str | None = None,
+    on_verified: Callable[[PatchRecord], None] | None = None,
+) -> PatchReport:
+    """Match `rules` on `model` and install the patches (see the module docstring)."""
+    from kprof.kernels.common import interpreter_enabled
+    from kprof.rules.engine import find_matches, kernel_spec
+
+    if not isinstance(model, nn.Module):
+        raise KprofError(f"kprof.patch needs an nn.Module, got {type(model).__name__}")
+    chosen = resolve_rules(rules, rules_dir)
+    report = PatchReport()
+    for r in chosen:
+        if not r.applyable and (r.missing_kernels() or rules not in (None, "all")):
+            why = (f"kernel(s) {', '.join(r.missing_kernels())} not in this kprof install" if r.missing_kernels()
+                   else f"apply can't do this one; code change: {r.code_change}")
+            report.skipped.append((r.id, why))
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    for m in find_matches(model, chosen):
+        rec = PatchRecord(m.rule.id, m.path, m.source, dict(m.params))
+        if on_cpu and not interpreter_enabled() and m.rule.kernels:
+            cuda_only = [k for k in m.rule.kernels if (s := kernel_spec(k)) is not None and s.cuda_only]
+            rec.note = ("CPU without the Triton interpreter: the kernel runs its PyTorch reference"
+                        + (f" ({', '.join(cuda_only)} is CUDA-only)" if cuda_only else ""))
+        report._units.append(_Unit(m, rec, verify=verify, strict=strict, on_verified=on_verified))
+        report.records.append(rec)
+    return report
+
+
+def ids_of(records: Iterable[PatchRecord]) -> list[str]:
+    return sorted({r.rule for r in records})
+
+
+def check_rules(ids: Sequence[str], rules_dir: str | None) -> None:
+    """The plan's rule ids exist here (a plan made with --rules DIR needs the same DIR)."""
+    try:
+        resolve_rules(list(ids), rules_dir)
+    except KprofError as e:
+        raise KprofError(f"{e}; if the plan was made with --rules DIR, pass the same --rules DIR to apply") from None

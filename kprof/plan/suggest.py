@@ -1,0 +1,221 @@
+"""`kprof suggest`: from a saved profile to a ranked plan of fixes. Pure functions over the run's
+DataFrames; rendering lives in kprof/cli/patch_cmds.py.
+
+No model is needed: each rule's `ProfilePattern` is matched against the op table (which ops ran
+in each module, forward phase), the matched modules' evidence ops give the measured time, and the
+replacement's roofline time at the same shapes gives the prediction:
+
+    saving = measured time of the evidence ops (fwd + bwd, per step)
+             - roofline time of the kernel at those shapes (KernelSpec.cost -> FLOPs and bytes,
+               at the run's ceilings: max(FLOPs / peak, bytes / bandwidth), at least one launch
+               latency per pass)
+
+`kprof apply` then confirms each planned match on the live model (structure + probe) before it
+patches anything, so a profile-side false positive costs a line in the report, never a wrong
+result.
+
+A host-bound step (the GPU busy less than HOST_BOUND_BUSY_PCT of it) keeps the GPU-time savings
+but marks every row "low" with a caveat, and the plan carries `plan.attrs["host_bound"]`: there,
+GPU time saved does not shorten the step, and each patched module adds host time.
+
+The plan is saved as `plan.json` in the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import pandas as pd
+
+from kprof import store
+from kprof.analyze.modules import group_paths, host_bound, module_table, roofline_us, script_sources
+from kprof.errors import KprofError
+from kprof.rules.engine import evidence_ops, match_pattern
+
+PLAN = store.PLAN
+
+
+def _dtype_class(dtype, tf32: bool) -> str:
+    import torch
+
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "tf32" if tf32 else "fp32")
+
+
+def predict_us(rule, problem: dict | None, summary: dict) -> float | None:
+    """Roofline time of the replacement (fwd + bwd) for one matched module, or None if unknown."""
+    from kprof.rules.engine import kernel_spec
+
+    if problem is None:
+        return None
+    cost_fn = rule.cost
+    if cost_fn is None:
+        spec = kernel_spec(rule.kernels[0]) if rule.kernels else None
+        if spec is None:
+            return None
+        cost_fn = spec.cost
+    try:
+        costs = cost_fn(**problem)
+    except TypeError:
+        return None  # the kernel's problem keys changed: say "unknown", don't guess
+    cls = _dtype_class(problem.get("dtype"), bool(summary.get("tf32_assumed"))) if rule.tensor_core else "fp32"
+    return sum(roofline_us(c, summary.get("ceilings") or {}, cls) for c in costs.values())
+
+
+def _source(summary: dict, paths: Sequence[str], classes: Sequence[str], hint: str | None = None) -> str:
+    """file:line of the matched module's code: from the run (summary['module_sources'], keyed by
+    module path or class name) if the profiler recorded it, else for classes defined in the
+    script, from the script's source."""
+    src = dict(script_sources(summary.get("script"), hint))
+    src.update(summary.get("module_sources") or {})
+    for p, c in zip(paths, classes):
+        s = src.get(p) or src.get(c)
+        if s:
+            return str(s)
+    return ""
+
+
+def suggest(run, rules: Sequence[Any] | None = None) -> pd.DataFrame:
+    """Ranked suggestions for a saved run (kprof.store.Run). One row per rule that matched.
+    plan.attrs["host_bound"]: host_bound(run.summary) (None when the step isn't host-bound)."""
+    from kprof.rules import RULES
+
+    rules = list(RULES if rules is None else rules)
+    ops, summary = run.ops, run.summary
+    if ops is None or not len(ops):
+        raise KprofError(f"run {run.name} has no ops; profile again (kprof profile SCRIPT)")
+    n_steps = max(int(summary.get("steps_recorded") or ops["step"].nunique() or 1), 1)
+    step_ms = ((summary.get("profiled_step_time_ms") or {}).get("median")
+               or (summary.get("step_time_ms") or {}).get("median") or math.nan)
+    table = module_table(ops, summary.get("module_classes"))
+    hb = host_bound(summary)
+    rows = []
+    # Patterns are exclusive by construction (an RMSNorm has no layer_norm op, a gated MLP has the
+    # multiply a Linear -> GELU lacks) and evidence selectors don't overlap (attention's matmuls
+    # and softmax vs RoPE's mul/neg/cat in the same module), so no op is counted twice.
+    for rule in rules:
+        paths = match_pattern(rule.profile, table)
+        if not paths:
+            continue
+        measured = predicted = 0.0
+        known = True
+        evs = []
+        for p in paths:
+            ev = evidence_ops(rule.profile, ops, table, p)
+            evs.append(ev)
+            measured += float(pd.to_numeric(ev["device_time (us)"], errors="coerce").fillna(0).sum()) / n_steps
+            fwd_ev = ev[ev["step"] == ev["step"].min()] if len(ev) else ev
+            pr = predict_us(rule, rule.problem(fwd_ev) if rule.problem else None, summary)
+            if pr is None:
+                known = False
+            else:
+                predicted += pr
+        ev = pd.concat(evs) if evs else ops.iloc[:0]
+        t = pd.to_numeric(ev["device_time (us)"], errors="coerce").fillna(0)
+        att = pd.to_numeric(ev.get("attainable (us)"), errors="coerce") if "attainable (us)" in ev else None
+        cls = (ev.assign(_t=t).groupby("class")["_t"].sum().idxmax() if len(ev) and "class" in ev else "")
+        pct_roof = float(att.fillna(0).sum() / t.sum() * 100) if att is not None and t.sum() > 0 else math.nan
+        saving = max(measured - predicted, 0.0) if known else math.nan
+        classes = [table.at[p, "module_class"] for p in paths]
+        rows.append({
+            "id": rule.id,
+            "title": rule.title,
+            "where": ", ".join(f"{g} x {n}" if n > 1 else g or "<model>" for g, n in group_paths(paths)),
+            "paths": paths,
+            "module_class": ", ".join(sorted(set(classes))),
+            "source": _source(summary, paths, classes, "softmax" if rule.id.startswith("attention") else None),
+            "ms/step": measured / 1e3,
+            "% of step": measured / 1e3 / step_ms * 100 if step_ms == step_ms and step_ms else math.nan,
+            "class": cls,
+            "% of roofline": pct_roof,
+            "change": rule.change,
+            "predicted ms/step": predicted / 1e3 if known else math.nan,
+            "saving ms/step": saving / 1e3 if known else math.nan,
+            "saving %": saving / 1e3 / step_ms * 100 if known and step_ms == step_ms and step_ms else math.nan,
+            # Host-bound: the GPU-time saving stands, but the step won't get shorter by it.
+            "confidence": rule.confidence if known and hb is None else "low",
+            "caveat": hb["caveat"] if hb else "",
+            "applyable": rule.applyable,
+            "how": "kprof apply --patch " + rule.id if rule.applyable else (
+                rule.code_change or f"needs kernel(s) {', '.join(rule.missing_kernels())}"),
+        })
+    cols = ["id", "title", "where", "paths", "module_class", "source", "ms/step", "% of step", "class",
+            "% of roofline", "change", "predicted ms/step", "saving ms/step", "saving %", "confidence",
+            "caveat", "applyable", "how"]
+    plan = pd.DataFrame(rows, columns=cols)
+    if len(plan):
+        # Known savings first, largest first; then unknown savings by measured time.
+        plan = plan.assign(_k=plan["saving ms/step"].isna()).sort_values(
+            ["_k", "saving ms/step", "ms/step"], ascending=[True, False, False]).drop(columns="_k")
+    plan = plan.reset_index(drop=True)
+    plan.attrs["host_bound"] = hb
+    return plan
+
+
+def plan_records(plan: pd.DataFrame) -> list[dict]:
+    return [{k: store.jsonable(v) for k, v in r.items()} for r in plan.to_dict("records")]
+
+
+def save_plan(run, plan: pd.DataFrame, diagnoses: pd.DataFrame | None = None) -> Path:
+    """plan.json: the kernel suggestions (what `kprof apply` patches) and, apart, the diagnoses
+    (kprof.rules.diagnoses: changes the user makes in the script). "host_bound": the plan's
+    attrs["host_bound"] (null when the step isn't host-bound)."""
+    doc = {"run": run.name, "script": run.summary.get("script"), "argv": run.summary.get("argv"),
+           "host_bound": store.jsonable(plan.attrs.get("host_bound")), "suggestions": plan_records(plan)}
+    if diagnoses is not None:
+        doc["diagnoses"] = plan_records(diagnoses)
+    path = Path(run.path) / PLAN
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, allow_nan=False))
+    tmp.replace(path)
+    return path
+
+
+def load_plan(run) -> dict:
+    path = Path(run.path) / PLAN
+    if not path.exists():
+        raise KprofError(f"run {run.name} has no plan yet; run `kprof suggest {run.name}` first")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise KprofError(f"{path} is unreadable ({e}); run `kprof suggest {run.name}` again") from e
+
+
+def parse_ids(spec: str, plan: dict) -> list[str]:
+    """'all' -> every apply-able suggestion of the plan; 'a,b' -> those, checked against the plan."""
+    sugg = plan.get("suggestions") or []
+    if not sugg:
+        raise KprofError(f"run {plan.get('run')} has no suggestions: nothing to apply "
+                         "(kprof suggest found no pattern kprof can fix in this profile)")
+    applyable = [s["id"] for s in sugg if s.get("applyable")]
+    if spec.strip() == "all":
+        if not applyable:
+            raise KprofError("none of the suggestions can be applied automatically; "
+                             + "; ".join(f"{s['id']}: {s.get('how')}" for s in sugg))
+        return applyable
+    ids = [i.strip() for i in spec.split(",") if i.strip()]
+    if not ids:
+        raise KprofError("--patch needs 'all' or a comma-separated list of suggestion ids")
+    known = {s["id"]: s for s in sugg}
+    unknown = [i for i in ids if i not in known]
+    if unknown:
+        raise KprofError(f"--patch: {', '.join(unknown)} not in the plan of run {plan.get('run')}; "
+                         f"its suggestions are: {', '.join(known)}")
+    manual = [i for i in ids if not known[i].get("applyable")]
+    if manual:
+        raise KprofError("--patch: " + "; ".join(f"{i} can't be applied automatically: {known[i].get('how')}"
+                                                  for i in manual))
+    return ids
+
+
+def plan_for(before, rules_dir: str | None = None) -> dict:
+    """The run's plan.json, computed and saved now (as `kprof suggest` would) if missing."""
+    from kprof.rules import all_rules
+
+    try:
+        return load_plan(before)
+    except KprofError:
+        save_plan(before, suggest(before, all_rules(rules_dir)))
+        return load_plan(before)
