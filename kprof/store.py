@@ -116,7 +116,7 @@ def save_run(
         # summary.json last: its presence marks a complete run (see load_summary).
         with open(tmp / SUMMARY, "w") as f:
             json.dump(jsonable(summary), f, indent=1, allow_nan=False)
-        final = _rename_free(tmp, root, base)
+        final = rename_free(tmp, root, base)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -137,7 +137,7 @@ def ensure_root(root: str | os.PathLike, *, exit_code: int = 1) -> Path:
     return root
 
 
-def _rename_free(tmp: Path, root: Path, base: str) -> Path:
+def rename_free(tmp: Path, root: Path, base: str) -> Path:
     for i in range(1, 1000):
         final = root / (base if i == 1 else f"{base}-{i}")
         if final.exists():
