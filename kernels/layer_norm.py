@@ -78,8 +78,8 @@ def _row_sums2(a, b, TREE_EMU: tl.constexpr):
 
 @triton.jit
 def _store_mean_pair(MEAN, rows, row_mask, n_rows, mean0, corr):
-    """Store the row means as an fp32 pair: MEAN[rows] = hi = fp32(mean0 + corr), the mean as
-    before, and MEAN[n_rows + rows] = lo with hi + lo == mean0 + corr exactly (Knuth's TwoSum:
+    """Store the row means as an fp32 pair: MEAN[rows] = hi = fp32(mean0 + corr), the rounded
+    mean, and MEAN[n_rows + rows] = lo with hi + lo == mean0 + corr exactly (Knuth's TwoSum:
     no condition on the magnitudes, no multiply for FMA contraction to touch). The backward's
     x - hi - lo is then as accurate as the forward's (x - mean0) - corr, where x - hi alone is
     off by up to ulp(hi) / 2 (3e-5 at |mean| 1000, 1.5e-5 of a std of 2)."""

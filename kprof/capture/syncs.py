@@ -239,7 +239,7 @@ class SyncDetector(TorchFunctionMode):
         self.step: int | None = None
         self._sites: dict[tuple[str, str, int], _Site] = {}
         self._lib_dirs = _library_dirs()
-        self._own_dirs = [_norm_dir(os.path.dirname(torch.__file__)), _norm_dir(os.path.dirname(__file__))]
+        self._own_dirs = [_norm_dir(os.path.dirname(torch.__file__)), _norm_dir(os.path.dirname(os.path.dirname(__file__)))]  # kprof/
         self._is_user: dict[str, bool] = {}
         self._is_own: dict[str, bool] = {}
         self._installed = False

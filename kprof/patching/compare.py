@@ -351,7 +351,7 @@ def _child_env() -> dict:
     env.setdefault("PYTHONUNBUFFERED", "1")
     # The child imports the same kprof as this process, whatever the current directory: a source
     # tree on sys.path (not an installed package, which the child finds by itself) goes first.
-    here = str(Path(__file__).resolve().parent.parent)
+    here = str(Path(__file__).resolve().parents[2])  # kprof/patching/compare.py -> the tree holding kprof/
     installed = {str(Path(p).resolve()) for p in [*site.getsitepackages(), site.getusersitepackages()]}
     if here not in installed:
         env["PYTHONPATH"] = os.pathsep.join([here] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
