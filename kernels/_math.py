@@ -31,17 +31,14 @@ replaces (NaN payloads included). Element order, checked in the PTX (Triton 3.9)
 gets the loaded word whose low half is the lower-addressed element, and its first output is the
 first of the two elements.
 
-The Triton interpreter (CPU CI) has no inline PTX, so the launchers pass FAST=`fast_math(t)`,
-False there: it then computes the same function with `tl.exp`, `tl.exp2`, `1.0 / x` and `.to`.
+The Triton interpreter (CPU CI) has no inline PTX, so the launchers pass
+FAST=`common.fast_math(t)`, False there: it then computes the same function with `tl.exp`, `tl.exp2`, `1.0 / x` and `.to`.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
-
-from kprof.kernels.common import interpreter_enabled
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -87,13 +84,3 @@ def to_f32_fast(x, FAST: tl.constexpr):
         )
     else:
         return x.to(tl.float32)
-
-
-# Read once: Triton itself reads TRITON_INTERPRET when it is imported, and the launchers are
-# on the eager hot path (an environment lookup per call is ~1 us of host time).
-_COMPILED = not interpreter_enabled()
-
-
-def fast_math(t: torch.Tensor) -> bool:
-    """Whether a kernel launched on t's device may use inline PTX (exp_fast's FAST)."""
-    return _COMPILED and t.is_cuda

@@ -19,8 +19,8 @@ DRAM-bound (ncu, H200: backward 69% SM vs 50% DRAM throughput): at copy bandwidt
 only ~47 instructions per element of the backward and ~31 of the forward. So every instruction per
 element is counted (benchmarks/sass_count.py): exps as one ex2 with log2(e) folded into the
 constants (`exp2_fast`), 1 / x as rcp.approx (`rcp_fast`), bf16 loads widened by shift and mask
-(`to_f32_fast`), pointers advanced per row tile, a 2-D grid (`glu._tile`), the erf tail on one
-exp (`glu._gelu_erf_parts`), fp32 dbias accumulators for half inputs and register caps that keep
+(`to_f32_fast`), pointers advanced per row tile, a 2-D grid (`common.stream_tile`), glu's erf
+tail on one exp, fp32 dbias accumulators for half inputs and register caps that keep
 every program resident (BWD_MAXNREG, FWD_MAXNREG). Measured on the H200 at 16384x16384 bf16:
 fwd+bwd 660 us with tanh (95% of copy bandwidth) and 668 us with erf (94%), forward 252-261 us
 (96%). The history of those figures is in docs/kernels.md.
@@ -45,16 +45,19 @@ from kprof.kernels.common import (
     FP_FUSION,
     StreamConfig,
     device_ctx,
+    fast_math,
+    load_f32,
     numel,
     persistent_programs,
     rows_and_stride,
+    store_cast,
     stream_plan,
+    stream_tile,
     use_triton,
     via_custom_op,
     warn_fallback,
 )
-from kprof.kernels._math import fast_math
-from kprof.kernels.glu import _GELU_ACT, SUPPORTED_DTYPES, _approx_act, _ld, _st, _tile, act_and_grad, act_fwd
+from kprof.kernels.glu import GELU_ACT, SUPPORTED_DTYPES, act_and_grad, act_fwd, approx_act
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 
 # --------------------------------------------------------------------------------------------
@@ -71,13 +74,13 @@ def _bias_gelu_fwd_kernel(
     EVEN: tl.constexpr,  # n_rows % BLOCK_M == 0 and n_cols % BLOCK_N == 0: no masks
     FAST: tl.constexpr,  # exp via ex2.approx.ftz (kprof.kernels._math); False in the interpreter
 ):  # fmt: skip
-    for pid_m in range(tl.program_id(1), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(1)):  # see glu._tile
-        rows, cols, mask = _tile(pid_m, n_rows, n_cols, BLOCK_M, BLOCK_N)
+    for pid_m in range(tl.program_id(1), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(1)):  # see stream_tile
+        rows, cols, mask = stream_tile(pid_m, n_rows, n_cols, BLOCK_M, BLOCK_N)
         r = rows[:, None]
         c = cols[None, :]
-        b = _ld(b_ptr + cols, cols < n_cols, EVEN, FAST)
-        x = _ld(x_ptr + r * stride_x + c, mask, EVEN, FAST)
-        _st(y_ptr + r * stride_y + c, act_fwd(x + b[None, :], ACT, FAST), mask, EVEN)
+        b = load_f32(b_ptr + cols, cols < n_cols, EVEN, FAST)
+        x = load_f32(x_ptr + r * stride_x + c, mask, EVEN, FAST)
+        store_cast(y_ptr + r * stride_y + c, act_fwd(x + b[None, :], ACT, FAST), mask, EVEN)
 
 
 @triton.jit
@@ -96,7 +99,7 @@ def _bias_gelu_bwd_kernel(
     n_groups = tl.num_programs(1)
     cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
-    b = _ld(b_ptr + cols, col_mask, EVEN, FAST)
+    b = load_f32(b_ptr + cols, col_mask, EVEN, FAST)
     n_mine = tl.cdiv(tl.cdiv(n_rows, BLOCK_M) - pid_g, n_groups)
     # Addressing: loop-invariant int64 offsets within a tile plus one scalar pointer per tensor,
     # advanced by a row step per tile, instead of an int64 r * stride per tile (6 SASS
@@ -130,11 +133,11 @@ def _bias_gelu_bwd_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for _k in range(0, n_mine):
         mask = (row0 + m < n_rows) & col_mask[None, :]
-        dy = _ld(dy_row + off_dy, mask, EVEN, FAST)
-        x = _ld(x_row + off_x, mask, EVEN, FAST)
+        dy = load_f32(dy_row + off_dy, mask, EVEN, FAST)
+        x = load_f32(x_row + off_x, mask, EVEN, FAST)
         _, da = act_and_grad(x + b[None, :], ACT, FAST)
         dx = dy * da  # masked lanes: dy = 0 -> dx = 0, so they add nothing to acc
-        _st(dx_row + off_dx, dx, mask, EVEN)
+        store_cast(dx_row + off_dx, dx, mask, EVEN)
         acc += dx.to(acc.dtype)
         dy_row += step_dy
         x_row += step_x
@@ -256,7 +259,7 @@ def _bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, act: int) -> tup
 def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor, approximate: str) -> torch.Tensor:
     """y = gelu(x + bias), contiguous, x's shape and dtype."""
     _check(x, bias)
-    return _fwd(x, bias, _approx_act(approximate))
+    return _fwd(x, bias, approx_act(approximate))
 
 
 def bias_gelu_bwd(
@@ -264,7 +267,7 @@ def bias_gelu_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dbias): dx contiguous in x's shape and dtype, dbias in bias's dtype."""
     _check(x, bias)
-    act = _approx_act(approximate)
+    act = approx_act(approximate)
     if dy.shape != x.shape or dy.dtype != x.dtype or dy.device != x.device:
         raise KprofError(
             f"dy must have x's shape {tuple(x.shape)}, dtype {x.dtype} on {x.device}; "
@@ -309,7 +312,7 @@ class _BiasGELUFunction(torch.autograd.Function):
         ctx.approximate = approximate
         if via_custom_op():
             return _bias_gelu_fwd_op(x, bias, approximate)
-        return _fwd(x, bias, _GELU_ACT[approximate])
+        return _fwd(x, bias, GELU_ACT[approximate])
 
     @staticmethod
     def backward(ctx, dy):
@@ -317,7 +320,7 @@ class _BiasGELUFunction(torch.autograd.Function):
         if via_custom_op():
             dx, dbias = _bias_gelu_bwd_op(dy, x, bias, ctx.approximate)
         else:
-            dx, dbias = _bwd(dy, x, bias, _GELU_ACT[ctx.approximate])
+            dx, dbias = _bwd(dy, x, bias, GELU_ACT[ctx.approximate])
         return dx, dbias, None
 
 
@@ -335,7 +338,7 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "tanh") ->
     and rounds once (eager rounds x + bias first; results differ by at most about one ulp).
     """
     _check(x, bias)
-    _approx_act(approximate)
+    approx_act(approximate)
     if use_triton(x):
         return _BiasGELUFunction.apply(x, bias, approximate)
     warn_fallback("bias_gelu", f"no Triton backend for {x.device.type} tensors")
@@ -348,7 +351,7 @@ class BiasGELU(nn.Module):
 
     def __init__(self, n: int, approximate: str = "tanh", device=None, dtype=None):
         super().__init__()
-        _approx_act(approximate)
+        approx_act(approximate)
         self.approximate = approximate
         self.bias = nn.Parameter(torch.zeros(n, device=device, dtype=dtype))
 
@@ -376,7 +379,7 @@ _FLOPS_PER_ELEM = {"tanh": (11, 21), "none": (6, 14)}  # (fwd, bwd)
 
 def _cost(n_rows: int, n_cols: int, dtype: torch.dtype = torch.bfloat16, approximate: str = "tanh") -> dict[str, Cost]:
     """x is n_rows x n_cols, bias n_cols, all of `dtype`."""
-    _approx_act(approximate)
+    approx_act(approximate)
     b, mn = dtype.itemsize, n_rows * n_cols
     f_fwd, f_bwd = _FLOPS_PER_ELEM[approximate]
     return {

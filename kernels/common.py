@@ -25,8 +25,10 @@ from typing import NamedTuple, Sequence
 
 import torch
 import triton
+import triton.language as tl
 
 from kprof.errors import KprofError
+from kprof.kernels._math import to_f32_fast
 
 
 # Every kprof launch compiles with FP fusion (a * b + c -> one FMA) on, explicitly: Triton <= 3.9
@@ -39,6 +41,16 @@ FP_FUSION = {"enable_fp_fusion": True}
 
 def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# Read once: Triton itself reads TRITON_INTERPRET when it is imported, and the launchers are
+# on the eager hot path (an environment lookup per call is ~1 us of host time).
+_COMPILED = not interpreter_enabled()
+
+
+def fast_math(t: torch.Tensor) -> bool:
+    """Whether a kernel launched on t's device may use inline PTX (`_math`'s FAST)."""
+    return _COMPILED and t.is_cuda
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -221,7 +233,7 @@ class StreamConfig:
         return cls(block_m, block_n, 8 if block_m * block_n >= 4096 else 4)
 
     def grid(self, n_rows: int, n_cols: int) -> tuple[int, int]:
-        """(column blocks, row blocks): see `glu._tile`."""
+        """(column blocks, row blocks): see `stream_tile`."""
         return (triton.cdiv(n_cols, self.block_n), min(triton.cdiv(n_rows, self.block_m), self.MAX_GRID_Y))
 
 
@@ -231,3 +243,39 @@ def stream_plan(n_rows: int, n_cols: int, tile: int | None = None) -> tuple[tupl
     program (default StreamConfig.TILE), cached on the ints."""
     cfg = StreamConfig.streaming(n_rows, n_cols, tile)
     return cfg.grid(n_rows, n_cols), cfg.block_m, cfg.block_n, cfg.num_warps
+
+
+# Device helpers of the streaming kernels (glu, bias_gelu), for tiles laid out by StreamConfig.
+
+
+@triton.jit
+def stream_tile(pid_m, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Row and column indices (int64, so offsets past 2^31 elements are safe) of the
+    [BLOCK_M, BLOCK_N] tile in row block `pid_m` and column block program_id(0), and the
+    in-bounds mask. The grid is (column blocks, row blocks <= 65535) (`StreamConfig.grid`) and
+    the kernels loop over row blocks in strides of the grid's rows (once, below 65535 of them).
+    A 2-D grid, not a 1-D one split by `pid // n_col_blocks`: that runtime integer division is
+    ~30 SASS instructions (sm_90a), 16-19 per program of the issue-bound bias_gelu forward."""
+    rows = tl.arange(0, BLOCK_M).to(tl.int64) + pid_m * BLOCK_M  # pid_m * BLOCK_M < n_rows: no int32 overflow
+    cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    return rows, cols, mask
+
+
+@triton.jit
+def load_f32(ptrs, mask, EVEN: tl.constexpr, FAST: tl.constexpr):
+    """Load as fp32; EVEN (every tile full): no mask, so no compare and predicate per element.
+    FAST: bf16 converted by `to_f32_fast` (2 instructions per pair of elements instead of 3)."""
+    if EVEN:
+        return to_f32_fast(tl.load(ptrs), FAST)
+    else:
+        return to_f32_fast(tl.load(ptrs, mask=mask, other=0.0), FAST)
+
+
+@triton.jit
+def store_cast(ptrs, value, mask, EVEN: tl.constexpr):
+    """Store `value` cast to the pointers' dtype; EVEN: unmasked, as `load_f32`."""
+    if EVEN:
+        tl.store(ptrs, value.to(ptrs.dtype.element_ty))
+    else:
+        tl.store(ptrs, value.to(ptrs.dtype.element_ty), mask=mask)

@@ -42,8 +42,16 @@ import triton.language as tl
 
 from kprof.errors import KprofError
 from kprof.kernels import cross_entropy_sm90 as _sm90
-from kprof.kernels.common import FP_FUSION, num_warps, persistent_programs, use_triton, via_custom_op, warn_fallback
-from kprof.kernels._math import exp_fast, fast_math
+from kprof.kernels.common import (
+    FP_FUSION,
+    fast_math,
+    num_warps,
+    persistent_programs,
+    use_triton,
+    via_custom_op,
+    warn_fallback,
+)
+from kprof.kernels._math import exp_fast
 from kprof.kernels.registry import Cost, KernelSpec, register
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -26,7 +26,8 @@ the eager formulation (what `apply` compares against and what the CPU fallback r
 
 Layers, in order: Triton kernels, launchers, torch.library custom ops, autograd.Functions,
 public functions, references, registry specs. The activation helpers (`act_and_grad`,
-`act_fwd`) and the tile helpers (`_tile`, `_ld`, `_st`) are also used by `kprof.kernels.bias_gelu`.
+`act_fwd`, `approx_act`, `GELU_ACT`) are also used by `kprof.kernels.bias_gelu`; the tile
+helpers both use (`stream_tile`, `load_f32`, `store_cast`) live in `kprof.kernels.common`.
 """
 
 from __future__ import annotations
@@ -44,20 +45,24 @@ from kprof.kernels.common import (
     StreamConfig,  # noqa: F401  (re-exported: tests and benchmarks reach it as glu.StreamConfig)
     as_rows,
     device_ctx,
+    fast_math,
+    load_f32,
     numel,
+    store_cast,
     stream_plan,
+    stream_tile,
     use_triton,
     via_custom_op,
     warn_fallback,
 )
-from kprof.kernels._math import LOG2E, exp2_fast, fast_math, rcp_fast, to_f32_fast
+from kprof.kernels._math import LOG2E, exp2_fast, rcp_fast
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 
 # Activation codes passed to the kernels as the ACT constexpr.
 ACT_SILU = 0
 ACT_GELU_TANH = 1
 ACT_GELU_ERF = 2
-_GELU_ACT = {"tanh": ACT_GELU_TANH, "none": ACT_GELU_ERF}
+GELU_ACT = {"tanh": ACT_GELU_TANH, "none": ACT_GELU_ERF}
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -188,38 +193,6 @@ def act_fwd(g, ACT: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _tile(pid_m, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Row and column indices (int64, so offsets past 2^31 elements are safe) of the
-    [BLOCK_M, BLOCK_N] tile in row block `pid_m` and column block program_id(0), and the
-    in-bounds mask. The grid is (column blocks, row blocks <= 65535) (`StreamConfig.grid`) and
-    the kernels loop over row blocks in strides of the grid's rows (once, below 65535 of them).
-    A 2-D grid, not a 1-D one split by `pid // n_col_blocks`: that runtime integer division is
-    ~30 SASS instructions (sm_90a), 16-19 per program of the issue-bound bias_gelu forward."""
-    rows = tl.arange(0, BLOCK_M).to(tl.int64) + pid_m * BLOCK_M  # pid_m * BLOCK_M < n_rows: no int32 overflow
-    cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    return rows, cols, mask
-
-
-@triton.jit
-def _ld(ptrs, mask, EVEN: tl.constexpr, FAST: tl.constexpr):
-    """Load as fp32; EVEN (every tile full): no mask, so no compare and predicate per element.
-    FAST: bf16 converted by `to_f32_fast` (2 instructions per pair of elements instead of 3)."""
-    if EVEN:
-        return to_f32_fast(tl.load(ptrs), FAST)
-    else:
-        return to_f32_fast(tl.load(ptrs, mask=mask, other=0.0), FAST)
-
-
-@triton.jit
-def _st(ptrs, value, mask, EVEN: tl.constexpr):
-    if EVEN:
-        tl.store(ptrs, value.to(ptrs.dtype.element_ty))
-    else:
-        tl.store(ptrs, value.to(ptrs.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _glu_fwd_kernel(
     g_ptr, u_ptr, y_ptr,
     n_rows, n_cols,
@@ -227,15 +200,15 @@ def _glu_fwd_kernel(
     ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
     EVEN: tl.constexpr,  # every tile full (n_rows % BLOCK_M == 0, n_cols % BLOCK_N == 0): no masks
 ):  # fmt: skip
-    # One row block per program, except past 65535 row blocks (CUDA's grid y limit): see `_tile`.
+    # One row block per program, except past 65535 row blocks (CUDA's grid y limit): see `stream_tile`.
     for pid_m in range(tl.program_id(1), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(1)):
-        rows, cols, mask = _tile(pid_m, n_rows, n_cols, BLOCK_M, BLOCK_N)
+        rows, cols, mask = stream_tile(pid_m, n_rows, n_cols, BLOCK_M, BLOCK_N)
         r = rows[:, None]
         c = cols[None, :]
         # Upcast before any arithmetic (accuracy; and the interpreter gets bf16 arithmetic wrong).
-        g = _ld(g_ptr + r * stride_g + c, mask, EVEN, FAST)
-        u = _ld(u_ptr + r * stride_u + c, mask, EVEN, FAST)
-        _st(y_ptr + r * stride_y + c, act_fwd(g, ACT, FAST) * u, mask, EVEN)
+        g = load_f32(g_ptr + r * stride_g + c, mask, EVEN, FAST)
+        u = load_f32(u_ptr + r * stride_u + c, mask, EVEN, FAST)
+        store_cast(y_ptr + r * stride_y + c, act_fwd(g, ACT, FAST) * u, mask, EVEN)
 
 
 @triton.jit
@@ -247,17 +220,17 @@ def _glu_bwd_kernel(
     EVEN: tl.constexpr,  # every tile full (n_rows % BLOCK_M == 0, n_cols % BLOCK_N == 0): no masks
 ):  # fmt: skip
     for pid_m in range(tl.program_id(1), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(1)):  # see _glu_fwd_kernel
-        rows, cols, mask = _tile(pid_m, n_rows, n_cols, BLOCK_M, BLOCK_N)
+        rows, cols, mask = stream_tile(pid_m, n_rows, n_cols, BLOCK_M, BLOCK_N)
         r = rows[:, None]
         c = cols[None, :]
-        dy = _ld(dy_ptr + r * stride_dy + c, mask, EVEN, FAST)
-        g = _ld(g_ptr + r * stride_g + c, mask, EVEN, FAST)
-        u = _ld(u_ptr + r * stride_u + c, mask, EVEN, FAST)
+        dy = load_f32(dy_ptr + r * stride_dy + c, mask, EVEN, FAST)
+        g = load_f32(g_ptr + r * stride_g + c, mask, EVEN, FAST)
+        u = load_f32(u_ptr + r * stride_u + c, mask, EVEN, FAST)
         # Recompute act(gate) rather than saving it: saves one tensor of memory and 2 bytes/elem
         # of traffic (write in forward, read in backward); the math is free in a streaming kernel.
         a, da = act_and_grad(g, ACT, FAST)
-        _st(dg_ptr + r * stride_dg + c, dy * u * da, mask, EVEN)
-        _st(du_ptr + r * stride_du + c, dy * a, mask, EVEN)
+        store_cast(dg_ptr + r * stride_dg + c, dy * u * da, mask, EVEN)
+        store_cast(du_ptr + r * stride_du + c, dy * a, mask, EVEN)
 
 
 # --------------------------------------------------------------------------------------------
@@ -311,10 +284,10 @@ def _check_same(name: str, t: torch.Tensor, shape: torch.Size, like: torch.Tenso
         )
 
 
-def _approx_act(approximate: str) -> int:
-    if approximate not in _GELU_ACT:
+def approx_act(approximate: str) -> int:
+    if approximate not in GELU_ACT:
         raise KprofError(f"approximate must be 'tanh' or 'none' (as in F.gelu), got {approximate!r}")
-    return _GELU_ACT[approximate]
+    return GELU_ACT[approximate]
 
 
 # The launchers below are the eager hot path (autograd.Functions call them directly; see
@@ -457,14 +430,14 @@ def _swiglu_bwd_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tu
 
 @torch.library.custom_op("kprof::geglu_fwd", mutates_args=())
 def _geglu_fwd_op(gate: torch.Tensor, up: torch.Tensor, approximate: str) -> torch.Tensor:
-    return glu_fwd(gate, up, _approx_act(approximate))
+    return glu_fwd(gate, up, approx_act(approximate))
 
 
 @torch.library.custom_op("kprof::geglu_bwd", mutates_args=())
 def _geglu_bwd_op(
     dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, approximate: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return glu_bwd(dy, gate, up, _approx_act(approximate))
+    return glu_bwd(dy, gate, up, approx_act(approximate))
 
 
 @torch.library.custom_op("kprof::swiglu_packed_fwd", mutates_args=())
@@ -479,12 +452,12 @@ def _swiglu_packed_bwd_op(dy: torch.Tensor, gu: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("kprof::geglu_packed_fwd", mutates_args=())
 def _geglu_packed_fwd_op(gu: torch.Tensor, approximate: str) -> torch.Tensor:
-    return glu_packed_fwd(gu, _approx_act(approximate))
+    return glu_packed_fwd(gu, approx_act(approximate))
 
 
 @torch.library.custom_op("kprof::geglu_packed_bwd", mutates_args=())
 def _geglu_packed_bwd_op(dy: torch.Tensor, gu: torch.Tensor, approximate: str) -> torch.Tensor:
-    return glu_packed_bwd(dy, gu, _approx_act(approximate))
+    return glu_packed_bwd(dy, gu, approx_act(approximate))
 
 
 # Fakes: outputs are freshly allocated and contiguous, like the launchers'.
@@ -546,7 +519,7 @@ def _swiglu_bwd_inplace_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tenso
 
 @torch.library.custom_op("kprof::geglu_bwd_inplace", mutates_args=("gate", "up"))
 def _geglu_bwd_inplace_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, approximate: str) -> None:
-    _glu_bwd(dy, gate, up, _approx_act(approximate), in_place=True)
+    _glu_bwd(dy, gate, up, approx_act(approximate), in_place=True)
 
 
 def _pair_backward(ctx, dy: torch.Tensor, act: int, out_of_place_op, in_place_op, *extra):
@@ -599,11 +572,11 @@ class _GeGLUFunction(torch.autograd.Function):
         ctx.approximate, ctx.grad_in_place = approximate, grad_in_place
         if via_custom_op():
             return _geglu_fwd_op(gate, up, approximate)
-        return _glu_fwd(gate, up, _GELU_ACT[approximate])
+        return _glu_fwd(gate, up, GELU_ACT[approximate])
 
     @staticmethod
     def backward(ctx, dy):
-        act = _GELU_ACT[ctx.approximate]
+        act = GELU_ACT[ctx.approximate]
         dg, du = _pair_backward(ctx, dy, act, _geglu_bwd_op, _geglu_bwd_inplace_op, ctx.approximate)
         return dg, du, None, None
 
@@ -631,14 +604,14 @@ class _GeGLUPackedFunction(torch.autograd.Function):
         ctx.approximate = approximate
         if via_custom_op():
             return _geglu_packed_fwd_op(gu, approximate)
-        return _glu_packed_fwd(gu, _GELU_ACT[approximate])
+        return _glu_packed_fwd(gu, GELU_ACT[approximate])
 
     @staticmethod
     def backward(ctx, dy):
         (gu,) = ctx.saved_tensors
         if via_custom_op():
             return _geglu_packed_bwd_op(dy, gu, ctx.approximate), None
-        return _glu_packed_bwd(dy, gu, _GELU_ACT[ctx.approximate]), None
+        return _glu_packed_bwd(dy, gu, GELU_ACT[ctx.approximate]), None
 
 
 # --------------------------------------------------------------------------------------------
@@ -676,7 +649,7 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh", *,
     Shapes, dtypes, numerics and `grad_in_place` as `swiglu`.
     """
     _check_pair(gate, up)
-    _approx_act(approximate)
+    approx_act(approximate)
     if use_triton(gate):
         return _GeGLUFunction.apply(gate, up, approximate, grad_in_place)
     warn_fallback("glu", f"no Triton backend for {gate.device.type} tensors")
@@ -701,7 +674,7 @@ def geglu_packed(gu: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
     """`F.gelu(gate, approximate=approximate) * up` with gate, up = gu.chunk(2, dim=-1)
     (gate first). As `swiglu_packed`, with `approximate` as in `geglu`."""
     _check_packed(gu)
-    _approx_act(approximate)
+    approx_act(approximate)
     if use_triton(gu):
         return _GeGLUPackedFunction.apply(gu, approximate)
     warn_fallback("glu", f"no Triton backend for {gu.device.type} tensors")
@@ -764,7 +737,7 @@ def _glu_cost(n_elems: int, dtype: torch.dtype, act: int) -> dict[str, Cost]:
 def _make_spec(name: str, act: int, packed: bool) -> KernelSpec:
     def cost(n_rows: int, n_cols: int, dtype: torch.dtype = torch.bfloat16, approximate: str = "tanh") -> dict[str, Cost]:
         """n_rows x n_cols = shape of gate (= of up = of the output; I = n_cols)."""
-        a = act if name.startswith("swiglu") else _approx_act(approximate)
+        a = act if name.startswith("swiglu") else approx_act(approximate)
         return _glu_cost(n_rows * n_cols, dtype, a)
 
     def elems(meta: TensorMeta) -> int:  # gate-sized elements from the op's first tensor input

@@ -337,7 +337,7 @@ def _layer_norm_bwd_kernel(
 # partials, and were not measured under a cap.
 BWD_BLOCK_ELEMS = 8192
 BWD_MAX_WARPS = 8
-BWD_MAXNREG: Optional[int] = 128
+BWD_MAXNREG = 128
 
 
 def _check(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> None:

@@ -188,7 +188,7 @@ CASES: list[Case] = [
 
 # --- launch-config sweep for bias + GELU's backward (run on the GPU; not part of CASES) --------
 
-_BWD_KNOBS = ("BWD_TILE", "BWD_WARPS", "_PROGRAMS_PER_SM", "BWD_MAXNREG", "HALF_DBIAS_ACC_FP64")
+_BWD_KNOBS = ("BWD_TILE", "BWD_WARPS", "_PROGRAMS_PER_SM", "BWD_MAXNREG")
 
 
 def _resident_regs(per_sm: int, warps: int) -> int | None:
@@ -201,8 +201,8 @@ def _resident_regs(per_sm: int, warps: int) -> int | None:
 
 def _bwd_configs() -> list[dict]:
     """(a) tile x warps x programs per SM, each at the cap that keeps its grid resident;
-    (b) the default tile without the register cap; (c) the default with the fp64 dbias
-    accumulator for bf16 (as before 2026-11-30). 1024-element tiles and 16 programs per SM, slower
+    (b) the default tile without the register cap. (The fp64 dbias accumulator for bf16 was a
+    third variant; its switch is gone, docs/kernels.md.) 1024-element tiles and 16 programs per SM, slower
     in every earlier sweep, were dropped to keep the sweep inside one device call. (2026-11-30 01:22 also swept fp32 blocks of
     4-32 tiles per fp64 dbias add: slower for tanh, equal for erf; removed.)"""
     import itertools
@@ -211,7 +211,7 @@ def _bwd_configs() -> list[dict]:
         {"BWD_TILE": tile, "BWD_WARPS": warps, "_PROGRAMS_PER_SM": per_sm, "BWD_MAXNREG": _resident_regs(per_sm, warps)}
         for tile, warps, per_sm in itertools.product((2048, 4096), (4, 8), (4, 8))
     ]
-    configs += [{"BWD_MAXNREG": None}, {"HALF_DBIAS_ACC_FP64": True}]
+    configs += [{"BWD_MAXNREG": None}]
     return configs
 
 

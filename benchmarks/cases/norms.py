@@ -208,15 +208,14 @@ def sweep_norm_configs() -> list[dict]:
 
     mods = {"rms_norm": (_rms.rms_norm, _llama_inputs), "layer_norm": (_ln.layer_norm, _ln_inputs)}
     defaults = (_rms.FWD_BLOCK_ELEMS, {"rms_norm": _rms.BWD_BLOCK_ELEMS, "layer_norm": _ln.BWD_BLOCK_ELEMS},
-                _rms.BWD_PROGRAMS_PER_SM, _rms._num_warps, (_rms.BWD_MAX_WARPS, _ln.BWD_MAX_WARPS), _rms.HALF_DW_ACC_FP64)
+                _rms.BWD_PROGRAMS_PER_SM, _rms.num_warps, (_rms.BWD_MAX_WARPS, _ln.BWD_MAX_WARPS))
 
-    def configure(fwd_elems, bwd_elems, per_sm, warps, acc64=defaults[5]):
+    def configure(fwd_elems, bwd_elems, per_sm, warps):
         """bwd_elems: one int for both norms, or the defaults' per-norm dict; warps None = auto."""
         per_norm = bwd_elems if isinstance(bwd_elems, dict) else {"rms_norm": bwd_elems, "layer_norm": bwd_elems}
         _rms.FWD_BLOCK_ELEMS, _rms.BWD_PROGRAMS_PER_SM = fwd_elems, per_sm
         _rms.BWD_BLOCK_ELEMS, _ln.BWD_BLOCK_ELEMS = per_norm["rms_norm"], per_norm["layer_norm"]
-        _rms.HALF_DW_ACC_FP64 = acc64
-        _rms._num_warps = (lambda n: warps) if warps else defaults[3]
+        _rms.num_warps = (lambda elems, **kw: warps) if warps else defaults[3]  # RowConfig's pick
         # A swept warp count lifts the backward's cap; "auto" keeps each norm's default cap.
         _rms.BWD_MAX_WARPS, _ln.BWD_MAX_WARPS = (16, 16) if warps else defaults[4]
         _rms.RowConfig.forward.cache_clear()
@@ -229,8 +228,8 @@ def sweep_norm_configs() -> list[dict]:
             inputs = make("cuda", torch.bfloat16)
             x, leaves = inputs["x"], [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
             dy = torch.randn_like(x)
-            configure(*defaults[:3], None, True)
-            ref_y = fn(**inputs)  # the default launch config with fp64 partials is the reference
+            configure(*defaults[:3], None)
+            ref_y = fn(**inputs)  # the default launch config is the reference
             ref = torch.autograd.grad(ref_y, leaves, dy)
             ref_y = ref_y.detach()
             # The forward was swept on 2026-11-29 (71-80 us at every setting, the default 71.7): bwd only.
@@ -238,12 +237,12 @@ def sweep_norm_configs() -> list[dict]:
             # 1 row x 16 warps 81 with fp64 dw partials, 58 with fp32 (two 512-thread programs fit an
             # SM: 50% occupancy instead of ncu's 25%); 2 rows x 16 warps 115 / 114; 1 row x 8 warps
             # 118 / 147. LayerNorm's: 103 / 100, 128 / 108, 239 / 194.
-            # 21:37 UTC sweep: fp32 partials beat fp64 at every setting (now the default), 16 warps
-            # lost everywhere: this grid is fp32 only, with 4 warps and 3 programs/SM added.
-            grid = [("bwd", defaults[0], e, p, w, a)
-                    for e, p, w, a in itertools.product((4096, 8192), (2, 3, 4), (None, 4, 8), (False,))]
-            for mode, fe, be, p, w, a in grid:
-                configure(fe, be, p, w, a)
+            # 21:37 UTC sweep: fp32 partials beat fp64 at every setting (the fp64 variant is
+            # gone, docs/kernels.md), 16 warps lost everywhere: 4 warps and 3 programs/SM added.
+            grid = [("bwd", defaults[0], e, p, w)
+                    for e, p, w in itertools.product((4096, 8192), (2, 3, 4), (None, 4, 8))]
+            for mode, fe, be, p, w in grid:
+                configure(fe, be, p, w)
                 try:
                     y = fn(**inputs)
                     got = torch.autograd.grad(y, leaves, dy)
@@ -254,12 +253,12 @@ def sweep_norm_configs() -> list[dict]:
                                         else (lambda: torch.autograd.backward(fn(**inputs), dy)), leaves)
                 except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result
                     ok, us = False, float("nan")
-                    print(f"{name} {mode} {fe} {be} {p} {w} {a}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    print(f"{name} {mode} {fe} {be} {p} {w}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                 r = {"norm": name, "mode": mode if mode == "fwd" else "fwd+bwd", "fwd_elems": fe, "bwd_elems": be,
-                     "per_sm": p, "warps": w or "auto", "dw_acc": "fp64" if a else "fp32", "us": us, "ok": ok}
+                     "per_sm": p, "warps": w or "auto", "us": us, "ok": ok}
                 rows.append(r)
                 print(f"{name:10s} {r['mode']:7s} bwd_elems={be:6d} per_sm={p} warps={str(w or 'auto'):4s} "
-                      f"dw_acc={r['dw_acc']} {us:8.1f} us {'' if ok else 'MISMATCH'}", flush=True)
+                      f"{us:8.1f} us {'' if ok else 'MISMATCH'}", flush=True)
             inputs = x = leaves = dy = ref = ref_y = None  # free before the next norm's tensors
             torch.cuda.empty_cache()
     finally:
@@ -277,27 +276,16 @@ def sweep_norm_configs() -> list[dict]:
 # per thread of the backward (ptxas sm_90a, bf16, weight and bias, mean pair; an SM holds 64K):
 # 2 x 4096 at 4 warps 255 (prefetch 255 + 320 B spill), at 8 warps 166 (206), at 16 warps 99
 # (118); 1 x 4096 at 4 warps 205 (249), at 8 warps 108 (162; 124 without spill under maxnreg
-# 128). Configs whose 2 programs cannot share an SM (regs x threads > 32K) run with 1 program
-# per SM, or capped. The 2026-11-30 03:49 run (`normsweep-h200-20261130T0349-ln-bwd.txt`, when
-# the default was 2 x 4096 at 4 warps uncapped: 197.5 us) also had the three-sum backward
-# (200.0 us; removed), the 02:36 code (219.9), prefetch at 2 x 4096 x 4 warps (307, spills) and
-# 1 x 4096 without prefetch (202-204); the winner, 8 warps capped at 128 (184.5), is the default.
-_PREFETCH, _NOCAP = {(_ln, "BWD_PREFETCH"): True}, {(_ln, "BWD_MAXNREG"): None}
-_ONE_PER_SM = {(_rms, "BWD_PROGRAMS_PER_SM"): 1}
-_W4, _W16, _ROW1 = {(_ln, "BWD_MAX_WARPS"): 4}, {(_ln, "BWD_MAX_WARPS"): 16}, {(_ln, "BWD_BLOCK_ELEMS"): 4096}
+# 128). The 2026-11-30 03:49 run (`normsweep-h200-20261130T0349-ln-bwd.txt`) also timed the
+# variants whose switches are gone (prefetch, fp64 partials, torch's second stage; figures in
+# docs/kernels.md); the winner, 8 warps capped at 128 (184.5 us), is the default.
+_NOCAP, _W4 = {(_ln, "BWD_MAXNREG"): None}, {(_ln, "BWD_MAX_WARPS"): 4}
 LN_BWD_VARIANTS: dict[str, dict] = {
     "default (2 x 4096, 8 warps, maxnreg 128, sum kernel)": {},
     "2 x 4096, 4 warps, uncapped (before 03:49)": {**_W4, **_NOCAP},
-    "default, torch 2nd stage": {(_rms, "PARTIALS_SUM_KERNEL"): False},
-    "default, fp64 partials": {(_rms, "HALF_PARTIALS_FP32"): False},
     "default, sum tile 64 rows (loops)": {(_rms, "PARTIALS_MAX_BLOCK_P"): 64},
-    "+ prefetch, 1 row x 8 warps, maxnreg 128": {**_PREFETCH, **_ROW1},
-    "+ prefetch, 1 row x 4 warps, uncapped": {**_PREFETCH, **_ROW1, **_W4, **_NOCAP},
-    "+ prefetch, 16 warps, 1/SM, uncapped": {**_PREFETCH, **_W16, **_ONE_PER_SM, **_NOCAP},
 }
 RMS_BWD_VARIANTS: dict[str, dict] = {
-    "head: torch 2nd stage, fp64 partials": {(_rms, "PARTIALS_SUM_KERNEL"): False, (_rms, "HALF_PARTIALS_FP32"): False},
-    "head + fp32 partials": {(_rms, "PARTIALS_SUM_KERNEL"): False},
     "default (fp32 partials, sum kernel)": {},
 }
 

@@ -18,8 +18,10 @@ CompositeImplicitAutograd: aten::linear, aten::matmul, ...) do no work of their 
 their children carry it. With this, the FLOPs of a Linear (aten::linear > aten::t, aten::addmm
 > aten::copy_) add up to exactly 2*M*N*K.
 
-`cost_known` is False for any op without a formula here; `coverage` in analysis.py reports the
-share of device time that has one.
+`cost_known` is False for any op without a formula here; `coverage` in tables.py reports the
+share of device time that has one. Such rows get a generic estimate (`estimated bytes`: inputs
+read once plus an output the size of the largest input), which tables.py reports separately and
+which never counts as costed.
 """
 
 from __future__ import annotations
@@ -732,8 +734,97 @@ def gather(c: Call) -> Cost | None:
     return Cost(0.0, tbytes(idx) + 2 * obytes(idx.shape, x.dtype))
 
 
+def sort(c: Call) -> Cost | None:
+    """sort(self, dim, descending) / sort.stable(self, stable, dim, descending): read the input,
+    write the sorted values and their int64 indices. FLOPs: n * ceil(log2 n) comparisons per
+    sorted slice of length n (a comparison sort's count; a radix sort makes passes over the
+    bytes instead, so this is the arithmetic, not the kernel's)."""
+    x = c.tensors[0] if c.tensors else None
+    if x is None:
+        return None
+    d = c.value("dim", default=-1)
+    d = d if isinstance(d, int) else -1
+    n = x.shape[d] if x.shape else 1
+    flops = _numel(x.shape) * math.ceil(math.log2(n)) if n > 1 else 0
+    return Cost(float(flops), tbytes(x) + obytes(x.shape, x.dtype) + obytes(x.shape, "int64"))
+
+
+def topk(c: Call) -> Cost | None:
+    """topk(self, k, dim, largest, sorted): read the input once (one comparison per element
+    against the running k-th value), write k values and k int64 indices per slice."""
+    x = c.tensors[0] if c.tensors else None
+    k = c.value("k", 1)
+    if x is None or not isinstance(k, int):
+        return None
+    d = c.value("dim", 2, -1)
+    d = (d if isinstance(d, int) else -1) % max(len(x.shape), 1)
+    out = tuple(k if i == d else s for i, s in enumerate(x.shape)) if x.shape else ()
+    return Cost(float(_numel(x.shape)), tbytes(x) + obytes(out, x.dtype) + obytes(out, "int64"))
+
+
+def histc(c: Call) -> Cost | None:
+    """histc(self, bins, min, max): read the input, write `bins` counts (the input's dtype).
+    FLOPs: 3 per element (subtract min, scale to a bin, add one to it)."""
+    x = c.tensors[0] if c.tensors else None
+    bins = c.value("bins", 1, 100)
+    if x is None or not isinstance(bins, int):
+        return None
+    return Cost(3.0 * _numel(x.shape), tbytes(x) + obytes((bins,), x.dtype))
+
+
+def grouped_mm(c: Call) -> Cost | None:
+    """_grouped_mm(mat_a, mat_b, offs, bias, out_dtype): G matmuls in one call (MoE experts).
+    `offs` splits the 2-D operand's grouped dim, so every case is 2*M*N*K over the whole problem:
+    2d x 3d: a [M_total, K], b [G, K, N] -> [M_total, N]; 3d x 2d: a [G, M, K], b [K, N_total]
+    -> [M, N_total]; 2d x 2d: a [M, K_total], b [K_total, N] -> [G, M, N] (the weight gradient);
+    3d x 3d: batched [G, M, K] @ [G, K, N]. Bytes: both operands, offs, bias, the output."""
+    ts = c.tensors
+    if len(ts) < 2:
+        return None
+    a, b = ts[0], ts[1]
+    offs = c.tensor("offs", 2)
+    sa, sb = a.shape, b.shape
+    if len(sa) == 2 and len(sb) == 3:
+        (m, k), n = sa, sb[2]
+        flops, out = 2 * m * k * n, (m, n)
+    elif len(sa) == 3 and len(sb) == 2:
+        (_, m, k), n = sa, sb[1]
+        flops, out = 2 * m * k * n, (m, n)
+    elif len(sa) == 2 and len(sb) == 2:
+        if offs is None or not offs.shape:
+            return None
+        (m, k), n = sa, sb[1]
+        flops, out = 2 * m * k * n, (offs.shape[0], m, n)
+    elif len(sa) == 3 and len(sb) == 3:
+        g, m, k = sa
+        n = sb[2]
+        flops, out = 2 * g * m * k * n, (g, m, n)
+    else:
+        return None
+    out_dtype = SCALAR_TYPES.get(c.value("out_dtype"), a.dtype) if isinstance(c.value("out_dtype"), int) else a.dtype
+    return Cost(float(flops), sum(tbytes(t) for t in ts) + obytes(out, out_dtype))
+
+
+def index_put(c: Call) -> Cost | None:
+    """index_put_(self, indices, values, accumulate): write (accumulate: read-modify-write) the
+    indexed elements, read the values. The profiler does not record `indices` (a list of optional
+    tensors: torch 2.13 records '' for it), so the indexed region is taken from `values`: exact
+    when values is not broadcast (the backward of x[idx], an assignment of a computed tensor);
+    a 0-d or 1-element values (x[mask] = 0) leaves the region unknown. The index reads are not
+    counted (unknown size): a lower bound."""
+    x = c.tensor("self", 0)
+    v = c.tensor("values", 2)
+    if x is None or v is None or _numel(v.shape) <= 1:
+        return None
+    accumulate = bool(c.value("accumulate", 3, False))
+    b = tbytes(v) + (2 if accumulate else 1) * obytes(v.shape, x.dtype)
+    if not c.op.endswith("_"):
+        b += 2 * obytes(x.shape, x.dtype)  # out-of-place copies self first
+    return Cost(float(_numel(v.shape)) if accumulate else 0.0, b)
+
+
 def scatter(c: Call) -> Cost | None:
-    """scatter/scatter_add/scatter_reduce/index_add/index_copy/index_fill/index_put: read index
+    """scatter/scatter_add/scatter_reduce/index_add/index_copy/index_fill: read index
     and source, write (add: read-modify-write) the touched elements; out-of-place also copies self."""
     base = _base(c.op)
     inplace = c.op.endswith("_")
@@ -745,7 +836,9 @@ def scatter(c: Call) -> Cost | None:
     touched = src.shape if src is not None else (idx.shape if idx is not None else None)
     if touched is None:
         return None
-    accumulate = base in ("scatter_add", "index_add", "scatter_reduce") or bool(c.value("accumulate", default=False))
+    # scatter_add_/index_add_ too: the in-place form accumulates like the out-of-place one
+    accumulate = base.rstrip("_") in ("scatter_add", "index_add", "scatter_reduce") or bool(
+        c.value("accumulate", default=False))
     b = (tbytes(src) if src is not None else 0) + (tbytes(idx) if idx is not None else 0)
     b += (2 if accumulate else 1) * obytes(touched, x.dtype)
     if not inplace:
@@ -935,9 +1028,14 @@ for _n in ("embedding", "embedding_dense_backward"):
 RULES["index_select"] = index_select
 RULES["gather"] = gather
 for _n in ("scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_", "index_add",
-           "index_add_", "index_copy", "index_copy_", "index_put", "index_put_", "_index_put_impl_", "index_fill",
-           "index_fill_", "masked_scatter", "masked_scatter_"):
+           "index_add_", "index_copy", "index_copy_", "index_fill", "index_fill_", "masked_scatter", "masked_scatter_"):
     RULES[_n] = scatter
+for _n in ("index_put", "index_put_", "_index_put_impl_"):
+    RULES[_n] = index_put
+RULES["sort"] = sort  # msort/argsort are composites over it
+RULES["topk"] = topk
+RULES["histc"] = histc
+RULES["_grouped_mm"] = grouped_mm
 for _n in ("nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward"):
     RULES[_n] = nll_loss
 for _n in ("cat", "stack", "_cat", "hstack", "vstack", "concat", "concatenate"):
@@ -1026,6 +1124,19 @@ def inclusive_cost(op: str, shapes, dtypes, strides, concrete, types) -> tuple[C
     return cost, False
 
 
+def estimate_bytes(op: str, shapes, dtypes, strides, concrete, types) -> float | None:
+    """The generic fallback for an op with no formula: its recorded inputs read once plus an
+    output the size of its largest input. An estimate, shown as such: it never counts as costed
+    (the output's real size, and any work, are unknown). None if no input was recorded."""
+    if _namespace(op) != "aten":
+        return None
+    c = Call(op, shapes, dtypes, strides, concrete, types)
+    sizes = [tbytes(a) for a in c.args if a.kind in ("tensor", "list")]
+    if not any(sizes):
+        return None
+    return float(sum(sizes) + max(sizes))
+
+
 # ----------------------------------------------------------------------------------------------
 # The table
 
@@ -1036,11 +1147,13 @@ def _key(op, shapes, dtypes, strides, concrete, types) -> str:
 
 def annotate(ops: pd.DataFrame) -> pd.DataFrame:
     """Add `flops`, `bytes` (exclusive of child rows, see the module docstring), `cost_known`
-    and `tensor_core` (a matmul-class op) to the op table."""
+    (a formula for the op costed it), `estimated bytes` (the generic fallback, estimate_bytes,
+    on rows without a formula; NaN elsewhere) and `tensor_core` (a matmul-class op)."""
     ops = ops.copy()
     n = len(ops)
     if n == 0:
-        for c, dt in (("flops", float), ("bytes", float), ("cost_known", bool), ("tensor_core", bool)):
+        for c, dt in (("flops", float), ("bytes", float), ("cost_known", bool), ("estimated bytes", float),
+                      ("tensor_core", bool)):
             ops[c] = pd.Series(dtype=dt)
         return ops
     cache: dict[str, tuple[Cost | None, bool]] = {}
@@ -1074,5 +1187,15 @@ def annotate(ops: pd.DataFrame) -> pd.DataFrame:
     ops["flops"] = np.where(known, np.maximum(inc_f - sub_f, 0.0), np.nan)
     ops["bytes"] = np.where(known, np.maximum(inc_b - sub_b, 0.0), np.nan)
     ops["cost_known"] = known
+    # Rows with no formula get the generic estimate, kept apart from `bytes` (see estimate_bytes).
+    est = np.full(n, np.nan)
+    for i in np.flatnonzero(~known):
+        row = [col[i] for col in cols]
+        k = "est" + _key(*row)
+        if k not in cache:
+            cache[k] = (estimate_bytes(*row), False)
+        v = cache[k][0]
+        est[i] = np.nan if v is None else v
+    ops["estimated bytes"] = est
     ops["tensor_core"] = ops["op"].map(lambda o: _namespace(o) == "aten" and _base(o) in TENSOR_CORE_OPS).astype(bool)
     return ops

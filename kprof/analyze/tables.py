@@ -280,7 +280,8 @@ def module_breakdown(ops: pd.DataFrame, n_steps: int, depth: int | None = None) 
 
 
 def coverage(ops: pd.DataFrame) -> float | None:
-    """Share (0-1) of device time spent in ops whose cost is known; None without device time."""
+    """Share (0-1) of device time spent in ops costed by a formula for that op (`cost_known`);
+    the generic estimate never counts. None without device time."""
     if ops.empty:
         return None
     t = pd.to_numeric(ops["device_time (us)"], errors="coerce").fillna(0.0)
@@ -288,6 +289,41 @@ def coverage(ops: pd.DataFrame) -> float | None:
     if total <= 0:
         return None
     return float(t[ops["cost_known"].fillna(False).astype(bool)].sum()) / total
+
+
+def estimated_share(ops: pd.DataFrame) -> float | None:
+    """Share (0-1) of device time in ops that have only the generic estimate (costmodel's
+    `estimated bytes`): outside `coverage`, shown beside it. None without device time."""
+    if ops.empty or "estimated bytes" not in ops:
+        return None
+    t = pd.to_numeric(ops["device_time (us)"], errors="coerce").fillna(0.0)
+    total = float(t.sum())
+    if total <= 0:
+        return None
+    est = ~ops["cost_known"].fillna(False).astype(bool) & pd.to_numeric(ops["estimated bytes"], errors="coerce").notna()
+    return float(t[est].sum()) / total
+
+
+def uncosted(ops: pd.DataFrame, n_steps: int, k: int = 10) -> pd.DataFrame:
+    """The k ops with the most device time and no formula, per op name.
+
+    Columns: op, time/step (ms), % of op time, calls/step, estimated GB/step (the generic
+    estimate; NaN where not even that was possible)."""
+    cols = ["op", "time/step (ms)", "% of op time", "calls/step", "estimated GB/step"]
+    if ops.empty:
+        return pd.DataFrame({c: pd.Series(dtype=object if c == "op" else float) for c in cols})
+    n = max(int(n_steps), 1)
+    t = pd.to_numeric(ops["device_time (us)"], errors="coerce").fillna(0.0)
+    total = float(t.sum())
+    est = (pd.to_numeric(ops["estimated bytes"], errors="coerce") if "estimated bytes" in ops
+           else pd.Series(np.nan, index=ops.index))
+    d = pd.DataFrame({"op": ops["op"].astype(str), "t": t, "e": est})[~ops["cost_known"].fillna(False).astype(bool)]
+    g = d.groupby("op").agg(t=("t", "sum"), calls=("t", "size"), e=("e", lambda x: x.sum(min_count=1)))
+    g = g.sort_values("t", ascending=False, kind="stable").head(k)
+    out = pd.DataFrame({"op": g.index, "time/step (ms)": g["t"].to_numpy() / n / 1e3,
+                        "% of op time": 100.0 * g["t"].to_numpy() / total if total > 0 else np.nan,
+                        "calls/step": g["calls"].to_numpy() / n, "estimated GB/step": g["e"].to_numpy() / n / 1e9})
+    return out[cols].reset_index(drop=True)
 
 
 def step_stats(times: Sequence[float]) -> dict:

@@ -3,6 +3,9 @@
 The runner (kprof/capture/runner.py) emits the names this module parses:
 
 - `kprof.step#<n>`: a range spanning exactly one recorded step (0-based n).
+- `kprof.shapes_step#0`: the profiler warm-up step, the one step recorded with op shapes. The
+  recorded steps are timed without shapes (recording them adds host time to every op), and each
+  of their ops takes the shapes of the op at the same place in this step (`_shapes_from_shapes_step`).
 - `kprof.module:<path>:<Class>`: a range around every module's forward; `<path>` is the name in
   `named_modules()` of the root ("" for the root itself).
 - backward ops sit inside torch's `autograd::engine::evaluate_function: XBackward0` ranges, which
@@ -42,6 +45,7 @@ import pandas as pd
 from kprof.errors import KprofError
 
 STEP_PREFIX = "kprof.step#"
+SHAPES_STEP = "kprof.shapes_step#0"
 MODULE_PREFIX = "kprof.module:"
 BWD_PREFIX = "autograd::engine::evaluate_function:"
 OPTIM_PREFIX = "Optimizer."  # torch's own "Optimizer.step#AdamW.step" / "Optimizer.zero_grad#..."
@@ -435,13 +439,17 @@ def _parse_module(name: str) -> tuple[str, str]:
     return path, cls
 
 
-def _norm_types(types, dims, shape_dtype: dict) -> list:
+def _norm_types(types, dims, shape_dtype: dict, list_dtypes=None) -> list:
     """Trace element types -> torch dtype names for tensors; lists of them for TensorLists
-    (whose element dtype the trace does not record: inferred from `shape_dtype`)."""
+    (whose element dtype the trace does not record: the runner's `kprof list dtypes` for lists it
+    filled in, else inferred from `shape_dtype`)."""
     out = []
     for i, t in enumerate(types or []):
+        given = list_dtypes[i] if list_dtypes and i < len(list_dtypes) else None
         if t in TRACE_DTYPES:
             out.append(TRACE_DTYPES[t])
+        elif t == "TensorList" and isinstance(given, list):
+            out.append(list(given))
         elif t == "TensorList":
             shapes = dims[i] if dims and i < len(dims) and isinstance(dims[i], list) else []
             out.append([shape_dtype.get(tuple(s), "float32") for s in shapes])
@@ -570,6 +578,45 @@ def _fill_truncated_optimizer_lists(rows: pd.DataFrame, events: TraceEvents) -> 
         rows.at[i, "input_strides"] = strides
 
 
+_SHAPE_ARGS = ("Input Dims", "Input type", "Input Strides", "Concrete Inputs", "kprof list dtypes")
+
+
+def _shapes_from_shapes_step(host: pd.DataFrame, steps: pd.DataFrame, names: np.ndarray, owner: np.ndarray,
+                             phase: np.ndarray, is_op: np.ndarray) -> np.ndarray:
+    """The host rows' args, where an op of a recorded step without shapes takes those of the op
+    at the same place in the shapes step: same phase, module range, op name and occurrence
+    (k-th such op in its step, in time order). An op without a counterpart (the step ran other
+    ops: data-dependent control flow) keeps no shapes, so its cost is unknown; `op_table`'s
+    caller sees it in coverage. Ops whose shapes change between steps with the same sequence of
+    ops (MoE dispatch, packed sequences) would get the shapes step's: profile with
+    shapes_every_step (RunConfig) for those. A trace without a shapes step is returned as is."""
+    args = host["args"].to_numpy().copy()
+    win = host[names == SHAPES_STEP]
+    if win.empty:
+        return args
+    start, end = int(win["start_ns"].min()), int(win["end_ns"].max())
+    t = host["start_ns"].to_numpy()
+    # AccumulateGrad too: its gradient shapes fill in a fused optimizer's truncated lists
+    is_op = is_op | (names == "torch::autograd::AccumulateGrad")
+    in_shapes = is_op & (t >= start) & (t < end)
+    step = _step_of(t, steps)
+    mod = np.where(owner >= 0, owner, -1)
+    mod_name = np.array([names[o] if o >= 0 else "" for o in mod], dtype=object)
+    k = pd.DataFrame({"w": np.where(in_shapes, -2, step), "ph": phase, "m": mod_name, "n": names, "t": t})
+    k = k[is_op & (in_shapes | (step >= 0))]
+    k["i"] = k.sort_values("t", kind="stable").groupby(["w", "ph", "m", "n"], sort=False).cumcount()
+    ref = k[k["w"] == -2]
+    src = dict(zip(zip(ref["ph"], ref["m"], ref["n"], ref["i"]), ref.index))
+    for row, key in zip(k.index[k["w"] >= 0], zip(*(k.loc[k["w"] >= 0, c] for c in ("ph", "m", "n", "i")))):
+        a = args[row] if isinstance(args[row], dict) else {}
+        j = src.get(key)
+        if "Input Dims" in a or j is None:
+            continue
+        b = args[j]
+        args[row] = a | {c: b[c] for c in _SHAPE_ARGS if c in b}
+    return args
+
+
 def op_table(events: TraceEvents) -> pd.DataFrame:
     """One row per executed op per recorded step (see the module docstring for which ops).
 
@@ -621,15 +668,18 @@ def op_table(events: TraceEvents) -> pd.DataFrame:
     rows["phase"] = np.where(valid, phase[hh], "other")
     rows.loc[valid & ~is_op[hh], "op"] = rows.loc[valid & ~is_op[hh], "kernel"]  # launched outside any op
 
+    args = _shapes_from_shapes_step(host, events.steps, names, owner, phase, is_op)
+    host = host.assign(args=args)
+    events = TraceEvents(host, events.device, events.steps, events.device_type, events.meta)
     shape_dtype = _shape_dtypes(host)
-    args = host["args"].to_numpy()
     empty: dict = {}
     a_rows = [args[i] if v and is_op[i] else empty for i, v in zip(hh, valid)]
     dims = [a.get("Input Dims") or [] for a in a_rows]
     types = [a.get("Input type") or [] for a in a_rows]
     rows["input_shapes"] = dims
     rows["input_types"] = types
-    rows["input_dtypes"] = [_norm_types(t, d, shape_dtype) for t, d in zip(types, dims)]
+    rows["input_dtypes"] = [_norm_types(t, d, shape_dtype, a.get("kprof list dtypes"))
+                            for t, d, a in zip(types, dims, a_rows)]
     rows["input_strides"] = [a.get("Input Strides") or [] for a in a_rows]
     rows["concrete_inputs"] = [a.get("Concrete Inputs") or [] for a in a_rows]
     _fill_truncated_optimizer_lists(rows, events)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import importlib.metadata
+import json
 import os
 import platform
 import re
@@ -68,6 +69,12 @@ STEP_RANGE_PREFIX = "kprof.step#"
 # A partly run step (the script raised or was interrupted inside it) is renamed in the exported
 # trace so that analysis, which reads `kprof.step#<n>`, only sees complete steps.
 PARTIAL_STEP_RANGE_PREFIX = "kprof.partial_step#"
+# The profiler warm-up step, recorded with shapes (and stacks, if asked) and the host-sync
+# detector on; the recorded steps that follow are timed with neither (see `_start_timing_profiler`).
+SHAPES_STEP_RANGE = "kprof.shapes_step#0"
+# The profiler exports no shapes for a TensorList longer than this (torch's
+# TENSOR_LIST_DISPLAY_LENGTH_LIMIT); kprof writes them into the trace from the profiler's events.
+TRACE_TENSORLIST_LIMIT = 30
 
 # Auto step mode: outermost-module calls without any optimizer step before kprof decides the
 # script has no training step. 16 > common gradient-accumulation factors when no optimizer was
@@ -90,11 +97,18 @@ class RunConfig:
     steps: int = 5
     run_to_end: bool = False
     step_mode: StepMode = "auto"
-    record_shapes: bool = True
-    with_stack: bool = False
+    record_shapes: bool = True  # on the shapes step (the profiler warm-up step)
+    with_stack: bool = False  # on the shapes step
+    # Record shapes on every recorded step too, for ops whose shapes vary from step to step (MoE
+    # dispatch, packed sequences): costs profiler overhead on the timed steps.
+    shapes_every_step: bool = False
     # Called once per root module at its first call, before its forward (kprof apply patches here).
     on_root_module: Callable[[nn.Module], None] | None = None
     trace_dir: str | None = None
+    # Called at each timed step's start with its index i (0..steps-1) and with i == steps when the
+    # timed steps end, after the step's time mark (kprof apply's ablation switches patches here).
+    # A true return stops the script there: no profiler phase, step_times_ms holds the i steps.
+    on_step: Callable[[int], bool | None] | None = None
 
 
 @dataclass
@@ -125,6 +139,8 @@ class RawRun:
     profiler_warmup_steps: int = PROFILER_WARMUP_STEPS
     warnings: list[str] = field(default_factory=list)
     syncs_cpu: list[dict] = field(default_factory=list)  # would-be syncs, for a run that used no GPU
+    shapes_recorded: str = "shapes step"  # "shapes step" | "every step": where op shapes come from
+    sync_steps: int = 0  # steps the host-sync detector watched (the shapes step)
 
 
 class _StopScript(BaseException):
@@ -233,10 +249,14 @@ def _compiler_tracing() -> bool:
     that took one for a new root wrapped it, and the trace recursed through the wrapper (GPT
     example, kprof + torch.compile under `--compare`, H200 2026-11-29: Inductor RecursionError)."""
     try:
-        from torch.fx._symbolic_trace import is_fx_tracing
+        from torch.fx import _symbolic_trace
         from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-        return bool(is_fx_tracing() or get_proxy_mode() is not None)
+        # is_fx_tracing() logs a deprecation warning on every run since torch added
+        # is_fx_symbolic_tracing() (fx.symbolic_trace only; compile/export are the caller's
+        # torch.compiler.is_compiling()): probe for the new name, fall back on older torch.
+        fx_tracing = getattr(_symbolic_trace, "is_fx_symbolic_tracing", None) or _symbolic_trace.is_fx_tracing
+        return bool(fx_tracing() or get_proxy_mode() is not None)
     except Exception:  # private API moved: assume not tracing  # noqa: BLE001
         return False
 
@@ -389,6 +409,10 @@ class _Session:
         self.cuda_base = 0  # CUDA memory allocated when the recorded steps began
         self.trace_path: str | None = None
         self.detector: SyncDetector | None = None
+        self.shapes_handle: Any = None  # the open SHAPES_STEP_RANGE
+        self.shapes_trace: str | None = None  # the shapes step's exported trace
+        self.full_lists: dict = {}  # (op, start us) -> full TensorList records (see _full_tensorlists)
+        self.sync_steps = 0
         self.syncs: list[dict] = []
         self.syncs_cpu: list[dict] = []
 
@@ -849,21 +873,24 @@ class _Session:
 
         if w <= e <= t_end:
             self.timed.mark()
+            if self.cfg.on_step is not None:
+                try:
+                    stop = self.cfg.on_step(e - w)
+                except Exception as e_:
+                    raise _AbortRun(e_) from e_
+                if stop:
+                    self.done = True
+                    self.stop_message = f"kprof stopped the script after {e - w} timed steps (on_step asked to)"
+                    raise _StopScript()
         if e == t_end:
             self._start_profiler()
+        if e == r0 and self.prof is not None:
+            # Before the mark: the profiler's start-up is not part of a recorded step.
+            self._start_timing_profiler()
         if r0 <= e <= r1:
             self.prof_marks.mark()
         if r0 < e <= r1:
             self._close_step_range(complete=True)
-        if e == r0 and self.prof is not None:
-            try:
-                if self.cuda_run and torch.cuda.is_initialized():
-                    torch.cuda.reset_peak_memory_stats()
-                    self.cuda_base = torch.cuda.memory_allocated()
-                self.prof.start_trace()
-                self.trace_started = True
-            except Exception as e_:
-                self._profiler_failed(e_)
         if r0 <= e < r1 and self.trace_started:
             j = e - r0
             self.step_handle = torch.ops.profiler._record_function_enter_new(f"{STEP_RANGE_PREFIX}{j}", None)
@@ -901,30 +928,93 @@ class _Session:
                 )
                 raise _StopScript()
 
-    def _start_profiler(self) -> None:
-        from torch.profiler import ProfilerActivity, profile
+    def _activities(self) -> list:
+        from torch.profiler import ProfilerActivity
 
-        activities = [ProfilerActivity.CPU]
-        if self.cuda_run:
-            activities.append(ProfilerActivity.CUDA)
+        return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda_run else [])
+
+    def _start_profiler(self) -> None:
+        """Start the shapes step: the profiler warm-up step (CUPTI start-up and recompiles land
+        here), recorded with shapes, stacks (if asked) and the host-sync detector. Recording
+        shapes and stacks and detecting syncs add host time to every op (the profiled step ran
+        +105-160% slower than the unprofiled one on the H200 runs with all three on every step),
+        so the recorded steps that time the ops run without them; their shapes come from this step
+        (trace.op_table matches the ops)."""
+        from torch.profiler import profile
+
         try:
-            self.prof = profile(activities=activities, record_shapes=self.cfg.record_shapes, with_stack=self.cfg.with_stack)
-            self.prof.prepare_trace()
+            self.prof = profile(activities=self._activities(), record_shapes=self.cfg.record_shapes,
+                                with_stack=self.cfg.with_stack)
+            self.prof.start()
         except Exception as e:
             self._profiler_failed(e)
             return
         self.annotating = True
         self._close_all_ranges()  # nesting restarts clean with ranges on
+        self.shapes_handle = torch.ops.profiler._record_function_enter_new(SHAPES_STEP_RANGE, None)
         stack_len = torch._C._len_torch_function_stack()
         if stack_len == 0:
             self.detector = SyncDetector(self.script, cuda_run=self.cuda_run)
             self.detector.install()
+            self.detector.step = 0
+            self.sync_steps = 1
         else:
             # A mode pushed before the boundary and popped after it would pop ours instead.
             self.warnings.append(
                 "host-sync detection skipped: a torch function mode (e.g. `with torch.device(...)`) "
                 "was active at the step boundary"
             )
+
+    def _stop_sync_detector(self) -> None:
+        if self.detector is not None:
+            self.detector.uninstall()
+            # Both sets: whether the script used the GPU (not whether there is one) is decided from
+            # the trace by the analysis; a CPU script on a GPU machine gets the would-be syncs.
+            self.syncs = self.detector.summary(cuda_used=self.cuda_run)
+            self.syncs_cpu = self.detector.summary(cuda_used=False)
+            self.detector = None
+
+    def _end_shapes_step(self) -> None:
+        """Close the shapes step: stop its profiler and export its trace (kept for the merge)."""
+        if self.shapes_handle is not None:
+            try:
+                torch.ops.profiler._record_function_exit._RecordFunction(self.shapes_handle)
+            finally:
+                self.shapes_handle = None
+        self._stop_sync_detector()
+        prof, self.prof = self.prof, None
+        if prof is None:
+            return
+        try:
+            prof.stop()
+        except Exception as e:
+            self.warnings.append(f"torch.profiler failed to stop after the shapes step: {e!r}")
+            return
+        self.full_lists = _full_tensorlists(prof, self.warnings)
+        fd, path = tempfile.mkstemp(prefix="kprof-shapes-", suffix=".trace.json", dir=self.cfg.trace_dir)
+        os.close(fd)
+        try:
+            prof.export_chrome_trace(path)
+            self.shapes_trace = path
+        except Exception as e:
+            self.warnings.append(f"could not export the shapes step's trace: {e!r}; ops have no shapes")
+
+    def _start_timing_profiler(self) -> None:
+        """End the shapes step, start the profiler that times the recorded steps: no shapes
+        (unless shapes_every_step), no stacks, no sync detector."""
+        from torch.profiler import profile
+
+        self._end_shapes_step()
+        try:
+            if self.cuda_run and torch.cuda.is_initialized():
+                torch.cuda.reset_peak_memory_stats()
+                self.cuda_base = torch.cuda.memory_allocated()
+            self.prof = profile(activities=self._activities(), record_shapes=self.cfg.shapes_every_step,
+                                with_stack=False)
+            self.prof.start()
+            self.trace_started = True
+        except Exception as e_:
+            self._profiler_failed(e_)
 
     def _profiler_failed(self, e: Exception) -> None:
         self.warnings.append(f"torch.profiler failed to start: {e!r}; no trace recorded")
@@ -947,16 +1037,13 @@ class _Session:
         """Stop recording, export the trace if any step was recorded. Safe to call twice."""
         partial = self.step_open if (self.step_handle is not None and not complete) else None
         self._close_step_range(complete=complete)
+        if self.shapes_handle is not None:  # the script ended inside the shapes step
+            self._end_shapes_step()
         self._close_all_ranges()
         self.annotating = False
-        if self.detector is not None:
-            self.detector.uninstall()
-            # Both sets: whether the script used the GPU (not whether there is one) is decided from
-            # the trace by the analysis; a CPU script on a GPU machine gets the would-be syncs.
-            self.syncs = self.detector.summary(cuda_used=self.cuda_run)
-            self.syncs_cpu = self.detector.summary(cuda_used=False)
-            self.detector = None
+        self._stop_sync_detector()
         if self.prof is None:
+            self._drop_shapes_trace()
             return
         prof, self.prof = self.prof, None
         if self.cuda_run and self.trace_started and torch.cuda.is_initialized():
@@ -983,11 +1070,31 @@ class _Session:
             return
         if partial is not None:
             _rename_partial_step(path, partial)
+        if self.shapes_trace is not None and not self.cfg.shapes_every_step:
+            try:
+                _merge_shapes_step(path, self.shapes_trace, self.full_lists)
+            except (OSError, ValueError, KeyError) as e:
+                self.warnings.append(f"could not merge the shapes step into the trace: {e!r}; ops have no shapes")
+        self._drop_shapes_trace()
         self.trace_path = path
+
+    def _drop_shapes_trace(self) -> None:
+        if self.shapes_trace is not None:
+            try:
+                os.remove(self.shapes_trace)
+            except OSError:
+                pass
+            self.shapes_trace = None
 
     def _abandon_profile(self) -> None:
         """Drop a profile taken under a step definition that turned out wrong."""
         self._close_step_range(complete=False)
+        if self.shapes_handle is not None:
+            torch.ops.profiler._record_function_exit._RecordFunction(self.shapes_handle)
+            self.shapes_handle = None
+        self._drop_shapes_trace()
+        self.full_lists = {}
+        self.sync_steps = 0
         self._close_all_ranges()
         self.annotating = False
         self._set_quiet(False)
@@ -1103,6 +1210,8 @@ class _Session:
             peak_memory_label=label,
             steps_before_timing=self.steps_before,
             warnings=self.warnings,
+            shapes_recorded="every step" if self.cfg.shapes_every_step else "shapes step",
+            sync_steps=self.sync_steps,
         )
 
 
@@ -1156,3 +1265,68 @@ def _rename_partial_step(path: str, index: int) -> None:
             f.write(text)
     except OSError:
         pass
+
+
+def _full_tensorlists(prof: Any, warnings_: list[str]) -> dict:
+    """{(op name, start in us): {"Input Dims", "Input Strides", "kprof list dtypes"}} for every op
+    of a stopped profiler with a TensorList argument longer than TRACE_TENSORLIST_LIMIT, read from
+    the profiler's own events, which keep the whole list (its chrome trace writes `[]` for it:
+    the H200 Llama runs' foreach AdamW ops showed "[0 tensors]"). Keyed for the trace export,
+    whose `ts` is (start ns - baseTimeNanoseconds) / 1000 (checked on torch 2.13)."""
+    try:
+        roots = prof.profiler.kineto_results.experimental_event_tree()
+    except Exception as e:  # a private API: its loss costs the long lists their shapes, not the run
+        warnings_.append(f"could not read the profiler's events for long tensor lists: {e!r}")
+        return {}
+    out: dict = {}
+    todo = list(roots)
+    while todo:
+        ev = todo.pop()
+        todo.extend(ev.children)
+        inputs = getattr(ev.extra_fields, "inputs", None)
+        if not inputs or not any(isinstance(x, list) and len(x) > TRACE_TENSORLIST_LIMIT for x in inputs):
+            continue
+        dims, strides, dtypes = [], [], []
+        for x in inputs:
+            if isinstance(x, list) and all(hasattr(t, "sizes") for t in x):
+                dims.append([list(t.sizes) for t in x])
+                strides.append([list(t.strides) for t in x])
+                dtypes.append([str(t.dtype).removeprefix("torch.") for t in x])
+            else:
+                dims.append(None)
+                strides.append(None)
+                dtypes.append(None)
+        out[(ev.name, ev.start_time_ns // 1000)] = {"dims": dims, "strides": strides, "dtypes": dtypes}
+    return out
+
+
+def _merge_shapes_step(path: str, shapes_path: str, full_lists: dict) -> None:
+    """Append the shapes step's host ops and ranges to the trace at `path`, with the long tensor
+    lists filled in (`full_lists`). Their ids are dropped: the timed trace's kernels must not link
+    to them. The analysis reads the step by its SHAPES_STEP_RANGE (trace.op_table)."""
+    with open(path, encoding="utf-8") as f:
+        main = json.load(f)
+    with open(shapes_path, encoding="utf-8") as f:
+        shapes = json.load(f)
+    base = int(shapes.get("baseTimeNanoseconds") or 0)
+    shift_us = (base - int(main.get("baseTimeNanoseconds") or 0)) / 1e3
+    added = []
+    for ev in shapes.get("traceEvents") or []:
+        if not isinstance(ev, dict) or ev.get("ph") != "X" or ev.get("cat") not in ("cpu_op", "user_annotation"):
+            continue
+        args = {k: v for k, v in (ev.get("args") or {}).items()
+                if k not in ("External id", "Record function id", "Ev Idx", "correlation")}
+        us = int((base + round(float(ev["ts"]) * 1e3)) // 1000)
+        rec = next((full_lists[k] for k in ((ev.get("name"), us + d) for d in (0, -1, 1)) if k in full_lists), None)
+        if rec is not None and isinstance(args.get("Input Dims"), list):
+            dims, strides = list(args["Input Dims"]), list(args.get("Input Strides") or [])
+            strides += [[] for _ in range(len(dims) - len(strides))]
+            for i, d in enumerate(rec["dims"]):
+                if d is not None and i < len(dims):
+                    dims[i], strides[i] = d, rec["strides"][i]
+            args["Input Dims"], args["Input Strides"] = dims, strides
+            args["kprof list dtypes"] = rec["dtypes"]
+        added.append(ev | {"ts": float(ev["ts"]) + shift_us, "args": args})
+    main["traceEvents"] = list(main.get("traceEvents") or []) + added
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(main, f)

@@ -3,6 +3,7 @@ kprof.analyze.ceilings); rendering in kprof.cli.render. KprofError is caught onc
 
 from __future__ import annotations
 
+import json
 import sys
 from contextlib import contextmanager
 from enum import Enum
@@ -10,12 +11,12 @@ from pathlib import Path
 from typing import Annotated, Iterator, Optional
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
 import kprof
 from kprof import store
+from kprof.cli.console import console, err_console, stdout_to_stderr
 from kprof.errors import KprofError
 
 app = typer.Typer(
@@ -24,8 +25,12 @@ app = typer.Typer(
     pretty_exceptions_enable=False,  # main() prints KprofError itself; anything else is a kprof bug
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-console = Console()
-err_console = Console(stderr=True)
+JSON_HELP = "Print one JSON document on stdout instead of the report (the script's own output goes to stderr)."
+
+
+def print_json(doc: dict) -> None:
+    """The one JSON document a `--json` command prints on stdout (NaN/inf as null)."""
+    print(json.dumps(store.jsonable(doc), indent=1, allow_nan=False))
 
 
 def _version(value: bool) -> None:
@@ -122,16 +127,20 @@ def profile(
                                       "optimizer.step()), forward (each call of the outermost "
                                       "module) or auto (optimizer if the script has one).")] = StepMode.auto,
     out: Annotated[Path, typer.Option("--out", help="Run store directory.")] = store.DEFAULT_ROOT,
+    json_out: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:
     """Run SCRIPT under the profiler and show where each step's time goes, on the roofline."""
     from kprof.analyze.profile import profile_script
     from kprof.cli import render as report
 
     argv = list(ctx.args)
-    with _live() as live:
+    with stdout_to_stderr(json_out), _live() as live:
         run = profile_script(str(script), argv, warmup=warmup, steps=steps, run_to_end=run_to_end,
                              step_mode=step.value, out_root=out, progress=live)
-    report.render(run.summary, run.path, console)
+    if json_out:
+        print_json(_run_doc(run.summary, run.path))
+    else:
+        report.render(run.summary, run.path, console)
     if run.summary.get("status") == "error":
         raise typer.Exit(run.summary.get("exit_code") or 1)
     if run.summary.get("status") == "interrupted":
@@ -142,46 +151,67 @@ def profile(
 # kprof runs / report / calibrate
 
 
+def _run_doc(summary: dict, path: Path | None) -> dict:
+    """`--json` of profile and report: the run's name, folder and summary.json as saved."""
+    return {"run": path.name if path else None, "path": str(path) if path else None, "summary": summary}
+
+
 @app.command()
 def runs(
     out: Annotated[Path, typer.Option("--out", help="Run store directory.")] = store.DEFAULT_ROOT,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the runs as one JSON document.")] = False,
 ) -> None:
     """List saved runs, oldest first."""
     from kprof.cli import render as report
 
     paths = store.list_runs(out)
-    if not paths:
+    if not paths and not json_out:
         console.print(f"no runs in {out}; profile a script first: kprof profile SCRIPT")
         return
-    rows, problems = [], []
+    recs = []
     for p in paths:
         try:
             s = store.load_summary(p)
         except KprofError as e:  # one broken run must not hide the others
-            rows.append(dict(run=p.name, status="[red]unreadable[/red]", device="", step="",
-                             **{"ms/step": "", "steps": ""}))
-            problems.append(str(e))
+            recs.append(dict(run=p.name, path=str(p), status="unreadable", error=str(e)))
             continue
-        st = s.get("step_time_ms") or {}
-        rows.append(dict(run=p.name, status=s.get("status", "?"), device=(s.get("device") or {}).get("name", "?"),
-                         step=s.get("step_definition") or "?", **{"ms/step": report.fmt_ms(st.get("median")),
-                                                                   "steps": str(s.get("steps_recorded", "?"))}))
+        recs.append(dict(run=p.name, path=str(p), status=s.get("status", "?"),
+                         device=(s.get("device") or {}).get("name", "?"), step=s.get("step_definition") or "?",
+                         step_time_ms=(s.get("step_time_ms") or {}).get("median"),
+                         steps=s.get("steps_recorded")))
+    if json_out:
+        print_json({"root": str(out), "runs": recs})
+        return
+    rows = [dict(run=r["run"], status="[red]unreadable[/red]", device="", step="", **{"ms/step": "", "steps": ""})
+            if "error" in r else
+            dict(run=r["run"], status=r["status"], device=r["device"], step=r["step"],
+                 **{"ms/step": report.fmt_ms(r["step_time_ms"]), "steps": str(r["steps"] if r["steps"] is not None
+                                                                             else "?")})
+            for r in recs]
     report.render_runs(rows, console)
-    for msg in problems:
-        console.print(Text(msg, style="red"))
+    for r in recs:
+        if "error" in r:
+            console.print(Text(r["error"], style="red"))
 
 
 @app.command("report")
 def report_cmd(
     run: Annotated[Optional[str], typer.Argument(help="Run directory or name; default: the latest.")] = None,
     out: Annotated[Path, typer.Option("--out", help="Run store directory.")] = store.DEFAULT_ROOT,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the run as one JSON document.")] = False,
 ) -> None:
     """Show a saved run's report again."""
     from kprof.cli import render as report
 
     r = store.load_run(run, out)
+    compared = (Path(r.path) / store.COMPARE).is_file()  # one variant of `kprof apply --compare`
+    if json_out:
+        from kprof.patching.compare import load_compare
+
+        print_json(_run_doc(r.summary, Path(r.path)) | {"compare": load_compare(r.path) if compared else None})
+        return
     report.render(r.summary, r.path, console)
-    if (Path(r.path) / store.COMPARE).is_file():  # one variant of `kprof apply --compare`: show them all
+    if compared:  # show the whole comparison
         from kprof.cli.patch_cmds import render_compare
         from kprof.patching.compare import CompareResult, load_compare
 
@@ -193,6 +223,7 @@ def report_cmd(
 def calibrate(
     quick: Annotated[bool, typer.Option("--quick", help="Smaller sizes and fewer repeats: "
                                         "seconds instead of a minute, less accurate.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the ceilings as one JSON document.")] = False,
 ) -> None:
     """Measure this device's memory bandwidth, matmul peaks and launch latency; cache them."""
     from dataclasses import asdict
@@ -204,7 +235,10 @@ def calibrate(
     dev = device_info()
     with err_console.status(f"measuring {dev.get('name', 'the device')}{' (quick)' if quick else ''}..."):
         c = ceilings.calibrate(dev, quick=quick)
-    report.render_ceilings(asdict(c), str(ceilings.cache_path(dev)), console)
+    if json_out:
+        print_json({"ceilings": asdict(c), "cache": str(ceilings.cache_path(dev))})
+    else:
+        report.render_ceilings(asdict(c), str(ceilings.cache_path(dev)), console)
 
 
 # `kprof suggest` and `kprof apply` live in kprof/cli/patch_cmds.py, beside the rule engine they drive.

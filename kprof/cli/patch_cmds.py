@@ -13,11 +13,12 @@ from typing import Annotated, Optional
 import pandas as pd
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.markup import escape
+from rich.text import Text
 
 from kprof import store
-
-console = Console()
+from kprof.cli.console import console, err_console, stdout_to_stderr
+from kprof.cli.render import Col, fit
 
 
 def _f(v, fmt: str = "{:.2f}") -> str:
@@ -26,39 +27,54 @@ def _f(v, fmt: str = "{:.2f}") -> str:
     return fmt.format(v)
 
 
+def _plan_cells(r: dict) -> list:
+    """The cells of one row of the ranked plan (kprof.plan.suggest.ranked): a kernel suggestion
+    or a diagnosis."""
+    known = r["saving ms/step"] == r["saving ms/step"]
+    src = r.get("source") or ""
+    where = "\n".join(x for x in (r["where"], r.get("module_class") or "", src) if x and x == x)
+    if r["kind"] == "kernel":
+        evidence = (f"{_f(r['ms/step'])} ms/step ({_f(r['% of step'], '{:.1f}')}% of step), "
+                    f"{r['class']}, {_f(r['% of roofline'], '{:.0f}')}% of roofline")
+        note = ""
+    else:
+        evidence = str(r["evidence"])
+        note = str(r.get("saving note") or "")
+    bound = "<= " if note.startswith("upper bound") else ""
+    saving = f"{bound}{_f(r['saving ms/step'])} ms/step ({_f(r['saving %'], '{:.1f}')}% of step)" if known else "?"
+    saving += f"\n{note}" if note else ""
+    # Data cells as Text: code in evidence and how (`x[i]`) must not read as rich markup.
+    return [str(r["rank"]), Text(r["id"]), Text(where), Text(evidence), Text(str(r["change"])), Text(saving),
+            Text(str(r["confidence"])), Text(str(r["how"]))]
+
+
+PLAN_COLUMNS = [Col("#", justify="right", number=True), Col("id", number=True), Col("where"), Col("evidence"),
+                Col("change"), Col("est. saving"), Col("confidence", number=True), Col("how")]
+
+
 def render_plan(plan: pd.DataFrame, run_name: str, plan_path: Path, out: Console | None = None,
                 diagnoses: pd.DataFrame | None = None) -> None:
+    """Kernel suggestions and diagnoses in one table, ranked by estimated saving (unknown last);
+    one block per row where the table doesn't fit the terminal."""
+    from kprof.plan.suggest import ranked
+
     out = out or console
-    diag = diagnoses if diagnoses is not None else pd.DataFrame()
-    if not len(plan) and not len(diag):
+    both = ranked(plan, diagnoses)
+    if not len(both):
         out.print(f"kprof suggest: no pattern kprof can fix was found in run {run_name}.")
         return
-    t = Table(title=f"suggestions for {run_name} (saved to {plan_path})", show_lines=True)
-    for c in ("id", "where", "evidence", "change", "est. saving", "confidence", "how"):
-        t.add_column(c, overflow="fold")
-    for r in plan.to_dict("records"):
-        where = r["where"] + (f"\n{r['module_class']}" if r["module_class"] else "") + (f"\n{r['source']}" if r["source"] else "")
-        evidence = (f"{_f(r['ms/step'])} ms/step ({_f(r['% of step'], '{:.1f}')}% of step)\n"
-                    f"{r['class']}, {_f(r['% of roofline'], '{:.0f}')}% of roofline")
-        saving = f"{_f(r['saving ms/step'])} ms/step\n({_f(r['saving %'], '{:.1f}')}% of step)"
-        t.add_row(r["id"], where, evidence, r["change"], saving, r["confidence"], r["how"])
-    # Diagnoses (kprof.rules.diagnoses) after the kernel rules: script changes, not patches.
-    for r in diag.to_dict("records"):
-        where = r["where"] + (f"\n{r['source']}" if r["source"] else "")
-        bound = "<= " if str(r["saving note"]).startswith("upper bound") else ""
-        saving = (f"{bound}{_f(r['saving ms/step'])} ms/step\n({_f(r['saving %'], '{:.1f}')}% of step)"
-                  if r["saving ms/step"] == r["saving ms/step"] else "?")
-        t.add_row(r["id"], where, r["evidence"], r["change"], f"{saving}\n{r['saving note']}", r["confidence"], r["how"])
-    if not len(plan):
-        t.title = f"diagnoses for {run_name} (no kernel pattern found; saved to {plan_path})"
+    what = "suggestions" if len(plan) else "diagnoses (no kernel pattern found)"
+    title = Text(f"{what} for {run_name}, ranked by estimated saving (saved to {plan_path})", style="italic")
     # A host-bound run's caveat is the same on every kernel row (kprof.analyze.modules.host_bound): once.
     caveats = dict.fromkeys(c for c in (plan["caveat"] if "caveat" in plan else []) if c)
     for c in caveats:
         out.print(f"caveat: {c}", style="yellow", markup=False)
-    out.print(t)
+    out.print(fit(PLAN_COLUMNS, [_plan_cells(r) for r in both.to_dict("records")], out.width, title=title,
+                  head=(0, 1), show_lines=True))
     if len(plan):
         out.print("estimated saving = measured time of the matched ops - the replacement's roofline time at "
-                  "the same shapes (kernel spec FLOPs/bytes at this run's ceilings)", style="dim")
+                  "the same shapes (kernel spec FLOPs/bytes at this run's ceilings); a diagnosis states its "
+                  "own basis", style="dim")
 
 
 def suggest_cmd(
@@ -68,9 +84,10 @@ def suggest_cmd(
                                                    "(see examples/custom_rules/); they take precedence.")] = None,
     out: Annotated[Path, typer.Option("--out", help="Run store directory.")] = store.DEFAULT_ROOT,
 ) -> None:
-    """Rank fixes for a profiled run (fused kernels, SDPA) with evidence and estimated savings,
-    then the diagnoses no kernel fixes (host syncs, fp32 matmuls, unfused optimizer)."""
-    from kprof.plan.suggest import PLAN, plan_records, save_plan, suggest
+    """Rank fixes for a profiled run by estimated saving, with evidence: fused kernels and SDPA
+    (`kprof apply` patches them) and the diagnoses no kernel fixes (host syncs, fp32 matmuls,
+    unfused optimizer: script changes)."""
+    from kprof.plan.suggest import PLAN, plan_doc, save_plan, suggest
     from kprof.rules import all_rules
     from kprof.rules.diagnoses import diagnose
 
@@ -79,42 +96,38 @@ def suggest_cmd(
     diag = diagnose(r)
     path = save_plan(r, plan, diag)
     if json_out:
-        print(json.dumps({"run": r.name, "plan": str(path), "host_bound": store.jsonable(plan.attrs.get("host_bound")),
-                          "suggestions": plan_records(plan), "diagnoses": plan_records(diag)}, indent=1))
+        # plan.json's document, and where it was saved
+        print(json.dumps({"plan": str(path)} | plan_doc(r, plan, diag), indent=1, allow_nan=False))
     else:
         render_plan(plan, r.name, Path(r.path) / PLAN, diagnoses=diag)
 
 
 def render_apply(res, out: Console | None = None) -> None:
     out = out or console
+    w = out.width
     for rep in res.reports:
-        t = Table(title="patches (verified on their first call against the original code)")
-        for c in ("rule", "where", "status", "verification", "source"):
-            t.add_column(c, overflow="fold")
+        rows = []
         for rec in rep.records:
             style = {"verified": "green", "reverted": "red"}.get(rec.status, "yellow")
-            t.add_row(rec.rule, rec.path or "<model>", f"[{style}]{rec.status}[/{style}]",
-                      rec.verification.summary() if rec.verification else "not called", rec.source)
-        out.print(t)
-    t = Table(title=f"before ({res.before.name}) vs after ({res.after.name})")
-    for c in ("metric", "before", "after", "change %"):
-        t.add_column(c, justify="right" if c != "metric" else "left")
-    for r in res.steps.to_dict("records"):
-        t.add_row(r["metric"], _f(r["before"]), _f(r["after"]), _f(r["change %"], "{:+.1f}"))
-    out.print(t)
-    t = Table(title="per suggestion: saving (ms/step)")
-    for c in ("id", "where", "predicted", "measured", "verified/patched"):
-        t.add_column(c, overflow="fold")
-    for r in res.suggestions.to_dict("records"):
-        t.add_row(r["id"], r["where"] or "", _f(r["predicted saving ms/step"]), _f(r["measured saving ms/step"]),
-                  f"{r['verified']}/{r['patched']}" + (f" ({r['failed']} reverted)" if r["failed"] else ""))
-    out.print(t)
-    t = Table(title="first losses")
-    for c in ("step", "before", "after", "rel diff"):
-        t.add_column(c, justify="right")
-    for r in res.losses.to_dict("records"):
-        t.add_row(str(r["step"]), f"{r['before']:.6f}", f"{r['after']:.6f}", f"{r['rel diff']:.2e}")
-    out.print(t)
+            rows.append([Text(rec.rule), Text(rec.path or "<model>"), Text(rec.status, style=style),
+                         Text(rec.verification.summary() if rec.verification else "not called"), Text(rec.source)])
+        out.print(fit([Col("rule", number=True), Col("where"), Col("status", number=True), Col("verification"),
+                       Col("source")], rows, w, title="patches (verified on their first call against the original code)",
+                      head=(0, 1)))
+    num = dict(justify="right", number=True)
+    out.print(fit([Col("metric"), Col("before", **num), Col("after", **num), Col("change %", **num)],
+                  [[Text(r["metric"]), _f(r["before"]), _f(r["after"]), _f(r["change %"], "{:+.1f}")]
+                   for r in res.steps.to_dict("records")], w,
+                  title=f"before ({res.before.name}) vs after ({res.after.name})"))
+    out.print(fit([Col("id", number=True), Col("where"), Col("predicted", **num), Col("measured", **num),
+                   Col("verified/patched", number=True)],
+                  [[Text(r["id"]), Text(r["where"] or ""), _f(r["predicted saving ms/step"]),
+                    _f(r["measured saving ms/step"]),
+                    f"{r['verified']}/{r['patched']}" + (f" ({r['failed']} reverted)" if r["failed"] else "")]
+                   for r in res.suggestions.to_dict("records")], w, title="per suggestion: saving (ms/step)"))
+    out.print(fit([Col("step", **num), Col("before", **num), Col("after", **num), Col("rel diff", **num)],
+                  [[str(r["step"]), f"{r['before']:.6f}", f"{r['after']:.6f}", f"{r['rel diff']:.2e}"]
+                   for r in res.losses.to_dict("records")], w, title="first losses"))
     if res.losses_agree is True:
         out.print(f"[green]first loss agrees within the patched dtype's tolerance (rtol {res.loss_tolerance:g})[/green]")
     elif res.losses_agree is False:
@@ -153,14 +166,13 @@ def render_compare(res, out: Console | None = None) -> None:
     out = out or console
     dev = res.device or {}
     kind = "CPU" if res.cpu else "GPU"
-    t = Table(title=f"kprof apply --compare: {Path(res.script).name} on {dev.get('name', '?')} ({kind}), "
-                    f"{res.warmup} warm-up + {res.steps} timed steps per variant")
-    for c in ("variant", "ms/step", "p10-p90", "vs eager", "peak memory", "warm-up s", "loss @step", "loss diff",
-              "details"):
-        # Compact cells, the long text in the notes below: an 80-column terminal (the H200
-        # machine's) otherwise folds every cell into a column of fragments.
-        t.add_column(c, justify="left" if c in ("variant", "details") else "right", overflow="fold",
-                     no_wrap=c == "variant")
+    title = (f"kprof apply --compare: {Path(res.script).name} on {dev.get('name', '?')} ({kind}), "
+             f"{res.warmup} warm-up + {res.steps} timed steps per variant")
+    # Compact cells, the long text in the notes below; one block per variant where the table
+    # doesn't fit (an 80-column terminal, the H200 machine's).
+    cols = [Col("variant", number=True)] + [Col(c, justify="right", number=True) for c in (
+        "ms/step", "p10-p90", "vs eager", "peak memory", "warm-up s", "loss @step", "loss diff")] + [Col("details")]
+    rows = []
     eager = res.row("eager")
     for r in res.variants:
         details = []
@@ -177,7 +189,7 @@ def render_compare(res, out: Console | None = None) -> None:
         if r.status == "failed":
             details.append("[red]failed (below)[/red]")
         elif r.status == "skipped":
-            details.append(f"[yellow]skipped: {_first_line(r.error, 200)}[/yellow]")
+            details.append(f"[yellow]skipped: {escape(_first_line(r.error, 200))}[/yellow]")
         st = r.step_time_ms or {}
         spread = f"{_ms(st.get('p10'))}-{_ms(st.get('p90'))}" if st.get("median") is not None else ""
         warm = ""
@@ -193,9 +205,9 @@ def render_compare(res, out: Console | None = None) -> None:
                      else f"[red]{r.loss_rel_diff:.1e} DIFFERS[/red]")
         speed = f"{r.speedup:.2f}x" if r.speedup is not None else ""
         name = r.variant if r.status == "ok" else f"[dim]{r.variant}[/dim]"
-        t.add_row(name, _ms(st.get("median")) if st else "", spread, speed,
-                  _mem(r.peak_memory_bytes) if r.run else "", warm, loss, agree, "\n".join(details))
-    out.print(t)
+        rows.append([name, _ms(st.get("median")) if st else "", spread, speed,
+                     _mem(r.peak_memory_bytes) if r.run else "", warm, loss, agree, "\n".join(details)])
+    out.print(fit(cols, rows, out.width, title=title))
     kind_mem = next((r.peak_memory_kind for r in res.variants if r.peak_memory_kind), "")
     out.print(f"ms/step: median of the timed steps (unprofiled); vs eager: eager's median / this one's; warm-up: "
               f"first module call to the first timed step (+ vs eager); peak memory: {kind_mem or '?'}; loss @step: "
@@ -236,8 +248,6 @@ def render_compare(res, out: Console | None = None) -> None:
 
 
 def _compare_progress(event: str, **info) -> None:
-    from kprof.cli import err_console
-
     i, n, v = info.get("index", 0) + 1, info.get("total", 0), info.get("variant")
     if event == "start":
         err_console.print(f"[dim]kprof compare: running {v} ({i}/{n}) in its own process...[/dim]")
@@ -271,7 +281,9 @@ def apply_cmd(
                                                   "(default: the planned run's; at least 3 with compile).")] = None,
     steps: Annotated[Optional[int], typer.Option("--steps", help="With --compare: timed (and recorded) steps per "
                                                  "variant (default: the planned run's).")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="With --compare: print the comparison as JSON.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the result (before/after, or with --compare the "
+                                           "comparison) as one JSON document; the script's output goes to "
+                                           "stderr.")] = False,
 ) -> None:
     """Re-run SCRIPT with the planned patches, verified on first use, and compare before/after;
     with --compare, against torch.compile too."""
@@ -279,7 +291,7 @@ def apply_cmd(
 
     if not compare:
         given = [o for o, v in (("--variants", variants), ("--compile-mode", compile_mode), ("--warmup", warmup),
-                                ("--steps", steps), ("--json", json_out or None)) if v is not None]
+                                ("--steps", steps)) if v is not None]
         if given:
             raise KprofError(f"{', '.join(given)} only go{'es' if len(given) == 1 else ''} with --compare "
                              f"(kprof apply SCRIPT --compare {' '.join(given)} ...)", exit_code=2)
@@ -289,26 +301,39 @@ def apply_cmd(
                              "the comparison says the patches are worth keeping", exit_code=2)
         from kprof.patching.compare import compare as run_compare
 
-        res = run_compare(str(script), list(ctx.args), variants=variants, patch=patch, run=run, strict=strict,
-                          rules_dir=str(rules) if rules else None, compile_mode=compile_mode or "default",
-                          warmup=warmup, steps=steps, out_root=out, progress=_compare_progress)
+        with stdout_to_stderr(json_out):
+            res = run_compare(str(script), list(ctx.args), variants=variants, patch=patch, run=run, strict=strict,
+                              rules_dir=str(rules) if rules else None, compile_mode=compile_mode or "default",
+                              warmup=warmup, steps=steps, out_root=out, progress=_compare_progress)
         if json_out:
             print(json.dumps(res.to_dict() | {"saved": res.saved}, indent=1, allow_nan=False))
         else:
             render_compare(res)
         return
 
+    if json_out and write is not None and str(write) == "-":
+        raise KprofError("--write - prints the lines on stdout, where --json puts its document; "
+                         "write them to a file instead (--write keep.py)", exit_code=2)
     from kprof.patching.apply import apply
 
-    res = apply(str(script), list(ctx.args), patch=patch, run=run, strict=strict,
-                rules_dir=str(rules) if rules else None, out_root=out)
-    render_apply(res)
+    with stdout_to_stderr(json_out):
+        res = apply(str(script), list(ctx.args), patch=patch, run=run, strict=strict,
+                    rules_dir=str(rules) if rules else None, out_root=out)
+    if json_out:
+        # apply.json as saved in the after run (kprof.patching.apply), and where it is
+        saved = Path(res.after.path) / store.APPLY
+        print(json.dumps({"after": res.after.name, "apply": str(saved), "loss_tolerance": res.loss_tolerance,
+                          "write_lines": res.write_lines} | json.loads(saved.read_text()), indent=1,
+                         allow_nan=False))
+    else:
+        render_apply(res)
     if write is not None:
         if str(write) == "-":
             print(res.write_lines, end="")
         else:
             write.write_text(res.write_lines)
-            console.print(f"wrote {write}: add its lines to your script to keep the patches")
+            (err_console if json_out else console).print(
+                f"wrote {write}: add its lines to your script to keep the patches")
 
 
 def register(app: typer.Typer) -> None:

@@ -4,11 +4,14 @@ kprof/analyze/profile.py fills from the analysis functions; nothing here compute
 from __future__ import annotations
 
 import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from rich import box
-from rich.console import Console, Group
+from rich.cells import cell_len
+from rich.console import Console, Group, RenderableType
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -75,6 +78,136 @@ def _first(row: dict, names: Sequence[str]) -> Any:
         if n in row:
             return row[n]
     return None
+
+
+# --------------------------------------------------------------------------------------------
+# Tables that fit the terminal: a table when every column gets at least its longest word (and
+# every number its whole width), after dropping the columns marked droppable; else one block per
+# row ("stacked records"). Rich alone would fold cells mid-word or cut numbers to "…" instead.
+
+@dataclass(frozen=True)
+class Col:
+    """A column of `fit`. `number` cells are never wrapped (the column is as wide as its widest
+    cell; its header may wrap); the others wrap at spaces, and get at least `min_width`. Columns with drop > 0 are left out, highest first, when the table does not
+    fit."""
+    name: str
+    justify: str = "left"
+    number: bool = False
+    drop: int = 0
+    min_width: int = 0
+
+
+def as_text(cell: Any) -> Text:
+    """A cell as rich Text: str cells are rich markup (kprof's own strings); wrap data that may
+    hold brackets (code, shapes) in Text before passing it."""
+    if isinstance(cell, Text):
+        return cell
+    return Text.from_markup(str(cell)) if cell is not None else Text("")
+
+
+def _longest_word(t: Text) -> int:
+    return max([cell_len(w) for line in t.plain.splitlines() for w in line.split()] or [0])
+
+
+def _longest_line(t: Text) -> int:
+    return max([cell_len(line) for line in t.plain.splitlines()] or [0])
+
+
+def column_widths(cols: Sequence[Col], rows: Sequence[Sequence[Text]], width: int,
+                  overhead: Callable[[int], int]) -> tuple[list[int], list[int]] | None:
+    """(indices of the columns kept, their content widths) so that the table is at most `width`
+    wide with no word split, or None when even the columns that can't be dropped don't fit.
+    `overhead(n)`: the borders and padding of a table of n columns."""
+    lo, hi = [], []
+    for i, c in enumerate(cols):
+        head = Text(c.name)
+        cells = [r[i] for r in rows]
+        longest = max([_longest_line(t) for t in cells] or [0])
+        lo.append(max([c.min_width, _longest_word(head)]
+                      + [longest if c.number else _longest_word(t) for t in cells]))
+        hi.append(max([_longest_line(head), longest, lo[-1]]))
+    keep = list(range(len(cols)))
+    for i in sorted((i for i, c in enumerate(cols) if c.drop > 0), key=lambda i: -cols[i].drop):
+        if sum(lo[j] for j in keep) + overhead(len(keep)) <= width:
+            break
+        keep.remove(i)
+    spare = width - overhead(len(keep)) - sum(lo[j] for j in keep)
+    if spare < 0:
+        return None
+    widths = [lo[j] for j in keep]
+    # The spare columns go to the wrapping columns in proportion to what they'd need unwrapped.
+    want = [hi[j] - lo[j] for j in keep]
+    total = sum(want)
+    if total:
+        for k, w in enumerate(want):
+            widths[k] += min(w, spare * w // total)
+    return keep, widths
+
+
+def _overhead(make_table: Callable[[], Table]) -> Callable[[int], int]:
+    """overhead(n): the columns a table from `make_table` spends on borders, separators and
+    padding with n columns, measured by rendering one (it depends on the box, the padding and
+    pad_edge, and rich's conventions, e.g. SIMPLE_HEAD's separators are spaces)."""
+    import io
+
+    def overhead(n: int) -> int:
+        t = make_table()
+        for _ in range(n):
+            t.add_column(width=1)
+        t.add_row(*["x"] * n)
+        c = Console(file=io.StringIO(), width=10_000, record=True, color_system=None)
+        c.print(t)
+        return max(cell_len(line) for line in c.export_text().splitlines()) - n
+
+    return overhead
+
+
+def _boxed() -> Table:
+    return Table(show_header=False)
+
+
+_boxed_overhead = _overhead(_boxed)
+
+
+def stacked(cols: Sequence[Col], rows: Sequence[Sequence[Text]], head: Sequence[int] = (0,)) -> Group:
+    """One block per row: the `head` cells on a bold title line, then "key: value" lines, values
+    wrapped at spaces under their own indent (a word longer than the terminal still folds)."""
+    blocks: list[RenderableType] = []
+    for r in rows:
+        title = Text("  ").join(r[i] for i in head if r[i].plain)
+        title.stylize("bold")
+        g = Table.grid(padding=(0, 1))
+        g.add_column(no_wrap=True, style="dim")
+        g.add_column(overflow="fold")
+        for i, c in enumerate(cols):
+            if i not in head and r[i].plain.strip():
+                g.add_row(f"  {c.name}:", r[i])
+        blocks += [title, g, Text("")]
+    return Group(*blocks[:-1])
+
+
+def fit(cols: Sequence[Col], rows: Sequence[Sequence[Any]], width: int, title: str | Text | None = None,
+        head: Sequence[int] = (0,), show_lines: bool = False) -> Group:
+    """The table of `cols` x `rows` as wide as fits `width` (see `column_widths`), stacked
+    records (`stacked`, titled by the `head` columns) when it can't fit. The title is a line of
+    its own above it, wrapped to the terminal rather than to the table."""
+    cells = [[as_text(c) for c in r] for r in rows]
+    parts: list[RenderableType] = []
+    if title is not None:
+        parts.append(title if isinstance(title, Text) else Text(title, style="italic"))
+    fitted = column_widths(cols, cells, width, _boxed_overhead)
+    if fitted is None:
+        parts.append(stacked(cols, cells, head))
+        return Group(*parts)
+    keep, widths = fitted
+    t = Table(show_lines=show_lines)
+    for j, w in zip(keep, widths):
+        c = cols[j]
+        t.add_column(c.name, justify=c.justify, width=w, overflow="fold")
+    for r in cells:
+        t.add_row(*(r[j] for j in keep))
+    parts.append(t)
+    return Group(*parts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -183,52 +316,68 @@ def class_table(summary: dict) -> Table | None:
     return t
 
 
-# (header, candidate keys in a top-ops record, formatter)
-TOP_COLUMNS: list[tuple[str, list[str], Callable[[Any], str]]] = [
-    ("ms/step", ["ms/step", "time/step (ms)", "time (ms/step)"], fmt_ms),
-    ("% step", ["% of step"], fmt_pct),
-    ("TFLOP/s", ["TFLOP/s"], fmt_sig),
-    ("GB/s", ["GB/s"], fmt_sig),
-    ("FLOP/B", ["intensity (FLOP/B)"], fmt_sig),
-    ("% roof", ["% of roofline"], fmt_pct),
+# (header, candidate keys in a top-ops record, formatter, drop priority: see Col)
+TOP_COLUMNS: list[tuple[str, list[str], Callable[[Any], str], int]] = [
+    ("ms/step", ["ms/step", "time/step (ms)", "time (ms/step)"], fmt_ms, 0),
+    ("% step", ["% of step"], fmt_pct, 0),
+    ("TFLOP/s", ["TFLOP/s"], fmt_sig, 3),
+    ("GB/s", ["GB/s"], fmt_sig, 2),
+    ("FLOP/B", ["intensity (FLOP/B)"], fmt_sig, 4),
+    ("% roof", ["% of roofline"], fmt_pct, 0),
 ]
 
 
-def top_ops_table(summary: dict, width: int = 120) -> Table | None:
+def top_ops_table(summary: dict, width: int = 120) -> Group | None:
+    """The heaviest ops, grouped by module path (modules in order of their heaviest op; rows
+    arrive sorted by time): the module on a line of its own, its ops under it, so the table is
+    only as wide as the op names. Narrow terminals lose dtype, then FLOP/B, TFLOP/s, GB/s and
+    the shapes, never a number's digits; below that, one block per op."""
     rows = summary.get("top_ops") or []
     if not rows:
         return None
-    # Group by module path, modules in order of their heaviest op (rows arrive sorted by time).
-    # Each module gets a header row and its ops sit under it, which keeps the table narrow.
     groups: dict[str, list[dict]] = {}
     for r in rows:
         groups.setdefault(str(r.get("module", "")), []).append(r)
-    # No vertical rules: 11 columns must fit a 120-column terminal.
-    t = Table(title=f"Top {len(rows)} ops by time, grouped by module (aten:: prefix omitted)", title_justify="left",
-              box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
-    # Only the shapes column gives way when the terminal is narrow (ellipsis); numbers never do.
-    # Rich only shrinks wrapping columns, so widths are fixed here and shapes gets what is left.
-    first = max([len("module / op")] + [len(_module_label(m)) for m in groups]
-                + [len(_op_label(r.get("op"))) for r in rows])
-    dtype_w = min(9, max([5] + [len(str(r.get("dtype", ""))) for r in rows]))
-    num_w = [max(len(h), 7) for h, _, _ in TOP_COLUMNS]
-    # Rich's fixed column width includes padding and separator: content + 2 (measured with rich
-    # 13/14: a width of content + 1 cuts the last character); +2 for the box edges.
-    fixed = (first + 2) + (dtype_w + 2) + sum(w + 2 for w in num_w) + (13 + 2) + 2
-    t.add_column("module / op", no_wrap=True, width=first + 2)
-    t.add_column("shapes", no_wrap=True, overflow="ellipsis", max_width=max(10, min(40, width - fixed)))
-    t.add_column("dtype", no_wrap=True, overflow="ellipsis", width=dtype_w + 2)
-    for (head, _, _), w in zip(TOP_COLUMNS, num_w):
-        t.add_column(head, justify="right", no_wrap=True, width=w + 2)
-    t.add_column("class", no_wrap=True, width=13 + 2)
+    # A shapes cell wraps between tensors, not inside one: "[1024, 128]," is its narrowest.
+    one_shape = max([len(m) for r in rows for m in re.findall(r"\[[^\]]*\],?", str(r.get("shapes", "")))] or [0])
+    cols = [Col("op", number=True), Col("shapes", drop=1, min_width=one_shape), Col("dtype", number=True, drop=5),
+            *[Col(h, justify="right", number=True, drop=d) for h, _, _, d in TOP_COLUMNS], Col("class", number=True)]
+    cells: dict[str, list[list[Text]]] = {}
     for module, group in groups.items():
-        t.add_row(Text(_module_label(module), style="bold"))
-        for i, r in enumerate(group):
-            cells = [Text(_op_label(r.get("op"))), str(r.get("shapes", "")), str(r.get("dtype", ""))]
-            cells += [f(v) if (v := _first(r, keys)) is not None else "–" for _, keys, f in TOP_COLUMNS]
+        cells[module] = []
+        for r in group:
+            nums = [f(v) if (v := _first(r, keys)) is not None else "–" for _, keys, f, _ in TOP_COLUMNS]
             cls = str(r.get("class", ""))
-            t.add_row(*cells, Text(cls, style=CLASS_STYLE.get(cls, "")), end_section=i == len(group) - 1)
-    return t
+            cells[module].append([Text(_op_label(r.get("op"))), Text(str(r.get("shapes", ""))),
+                                  Text(str(r.get("dtype", ""))), *map(Text, nums), Text(cls, style=CLASS_STYLE.get(cls, ""))])
+    title = Text(f"Top {len(rows)} ops by time, grouped by module (aten:: prefix omitted)", style="italic")
+
+    def table(show_header: bool = False) -> Table:
+        # One table per module, all with the same fixed widths so their columns line up.
+        return Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0), show_header=show_header,
+                     show_edge=False)
+
+    fitted = column_widths(cols, [c for g in cells.values() for c in g], width, _overhead(table))
+    parts: list[RenderableType] = [title]
+    if fitted is None:
+        for module, group in cells.items():
+            parts += [Text(_module_label(module), style="bold"), stacked(cols, group), Text("")]
+        return Group(*parts)
+    keep, widths = fitted
+
+    def fixed(show_header: bool) -> Table:
+        t = table(show_header)
+        for j, w in zip(keep, widths):
+            t.add_column(cols[j].name, justify=cols[j].justify, width=w, overflow="fold")
+        return t
+
+    parts.append(fixed(show_header=True))
+    for module, group in cells.items():
+        t = fixed(show_header=False)
+        for r in group:
+            t.add_row(*(r[j] for j in keep))
+        parts += [Text(_module_label(module), style="bold"), t]
+    return Group(*parts)
 
 
 def _op_label(op: Any) -> str:
@@ -240,20 +389,19 @@ def _module_label(path: str) -> str:
     return "(root)" if path == "" else path
 
 
-def syncs_table(summary: dict) -> Table | Text | Group:
+def syncs_table(summary: dict, width: int = 120) -> RenderableType:
     syncs = summary.get("syncs") or []
     if not syncs:
         return Text("Host syncs: none seen in the recorded steps.", style="green")
-    t = Table(title="Host syncs in the recorded steps", title_justify="left")
-    t.add_column("where", overflow="fold")
-    t.add_column("kind")
-    t.add_column("count", justify="right")
-    t.add_column("code", overflow="fold")
+    rows = []
     for s in syncs:
         where = f"{_short_path(s.get('file', '?'))}:{s.get('line', '?')}"
         if s.get("function"):
             where += f" ({s['function']})"
-        t.add_row(where, str(s.get("kind", "?")), str(s.get("count", "")), str(s.get("code", "")).strip())
+        rows.append([Text(where), Text(str(s.get("kind", "?"))), Text(str(s.get("count", ""))),
+                     Text(str(s.get("code", "")).strip())])
+    cols = [Col("where"), Col("kind"), Col("count", justify="right", number=True), Col("code")]
+    t = fit(cols, rows, width, title="Host syncs in the recorded steps")
     if _is_cpu(summary):
         return Group(t, Text("CPU run: nothing waits here, but each of these would sync the host with "
                              "the GPU (the CPU stalls until the device catches up).", style="yellow"))
@@ -279,7 +427,7 @@ def render(summary: dict, run_path: Path | None, console: Console) -> None:
             console.print(part)
     if summary.get("steps_recorded", 0) == 0:
         console.print(Text("No step was recorded, so there are no op timings.", style="yellow"))
-    console.print(syncs_table(summary))
+    console.print(syncs_table(summary, console.width))
     if summary.get("analysis_error"):
         console.print(Panel(Text(summary["analysis_error"].rstrip()), border_style="red", title_align="left",
                             title="kprof's analysis failed (a kprof bug): only the raw measurements were kept"))
@@ -291,13 +439,11 @@ def render(summary: dict, run_path: Path | None, console: Console) -> None:
 
 def render_runs(rows: list[dict], console: Console) -> None:
     """`kprof runs`: one row per saved run (rows built by the CLI from summaries)."""
-    t = Table(title="Saved runs (oldest first)", title_justify="left")
-    for col, justify in (("run", "left"), ("status", "left"), ("device", "left"), ("step", "left"),
-                         ("ms/step", "right"), ("steps", "right")):
-        t.add_column(col, justify=justify)
-    for r in rows:
-        t.add_row(r["run"], r["status"], r["device"], r["step"], r["ms/step"], r["steps"])
-    console.print(t)
+    cols = [Col("run", number=True), Col("status", number=True), Col("device", drop=1), Col("step", drop=2),
+            Col("ms/step", justify="right", number=True), Col("steps", justify="right", number=True)]
+    cells = [[Text(r["run"]), r["status"], Text(r["device"]), Text(r["step"]), r["ms/step"], r["steps"]]
+             for r in rows]
+    console.print(fit(cols, cells, console.width, title="Saved runs (oldest first)"))
 
 
 def render_ceilings(c: dict, cache_path: str | None, console: Console) -> None:

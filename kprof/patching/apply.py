@@ -1,15 +1,18 @@
-"""`kprof apply SCRIPT --patch all|ID,ID`: re-run a profiled script with the planned patches and
-compare. Library side; kprof/cli/patch_cmds.py renders.
+"""`kprof apply SCRIPT --patch all|ID,ID`: keep only the planned patches that make the step
+faster end to end, and say what wins instead. Library side; kprof/cli/patch_cmds.py renders.
 
 1. The plan comes from the given (default: the latest plain, i.e. unpatched and uncompiled) run of
    the same script (`plan.json`, written by `kprof suggest`; computed now if missing).
-2. The script runs under the profiler again, unmodified: the runner calls `on_root_module` at
-   each root module's first call, before its forward, and `kprof.patch` installs the chosen rules
-   there. Each patch verifies itself on its first real call (kprof/patching/verify.py); failures are
-   reverted and reported (`strict` makes them an error).
-3. The same number of warmup and recorded steps is profiled and saved as a new run; the result
-   holds both runs side by side: step time, tokens/s, peak memory, per suggestion the measured vs
-   predicted saving, and the first losses of both runs.
+2. Ablation (kprof/patching/ablation.py): the script runs once, unmodified and unprofiled, with
+   every planned patch installed at its root module's first call; each verifies itself on its
+   first real call (kprof/patching/verify.py; failures are reverted and reported, `strict` makes
+   them an error). From the first timed step on, the runner's `on_step` hook switches the patch
+   groups between steps (all on, all off, each left out, in randomized blocks) and the paired
+   sign test keeps the groups that are significantly faster. `steps` bounds the ablation's timed
+   steps. A script that compiles its model is not ablated (switching patches inside a compiled
+   model recompiles it): nothing is kept and `--compare` is recommended.
+3. The kept set alone is then profiled like the plan's run and saved as a new run: its
+   unprofiled step median is `after_ms` and its first losses are checked against the plan's run.
 
 `kprof apply SCRIPT --compare` (eager vs patches vs torch.compile vs both) lives in kprof/patching/compare.py.
 """
@@ -28,9 +31,12 @@ import pandas as pd
 from kprof import store
 from kprof.analyze.profile import load_run, profile_script
 from kprof.errors import KprofError
+from kprof.patching import ablation as ab
 from kprof.patching.install import check_rules
 from kprof.patching.install import patch as kpatch
 from kprof.plan.suggest import parse_ids, plan_for
+
+PREFER = ("time", "memory")
 
 
 @dataclass
@@ -46,20 +52,63 @@ class ApplyResult:
     loss_tolerance: float | None
     write_lines: str
     notes: list[str] = field(default_factory=list)
+    ablation: "ab.Ablation | None" = None
+    declined: str | None = None  # why no ablation ran (the script compiles its model)
+    ablation_reports: list = field(default_factory=list)  # the ablation run's PatchReports
+    kept: list[str] = field(default_factory=list)  # rule ids installed in the after run
+    not_installed: list[dict] = field(default_factory=list)  # {"id", "why"}
+    recommendation: str = ""
+    prefer: str = "time"
+    batch_headroom: float | None = None  # x larger batch in the same memory (prefer memory)
+
+    @property
+    def before_ms(self) -> float:
+        return _median(self.before.summary, "step_time_ms")
+
+    @property
+    def after_ms(self) -> float:
+        return _median(self.after.summary, "step_time_ms")
+
+    def to_dict(self) -> dict:
+        """`kprof apply --json` and apply.json."""
+        a = self.ablation
+        recs = [r for rep in self.ablation_reports for r in rep.records]
+
+        def rec(r):
+            return {"rule": r.rule, "path": r.path, "status": r.status, "source": r.source,
+                    "verification": r.verification.summary() if r.verification else None}
+
+        doc = {
+            "script": self.after.summary.get("script"), "before_run": self.before.name, "after_run": self.after.name,
+            "before_ms": self.before_ms, "after_ms": self.after_ms, "prefer": self.prefer, "patch": self.patch_ids,
+            "kept": self.kept,
+            "patches": [{k: r[k] for k in ("id", "where", "verified", "kept", "predicted_saving_ms",
+                                            "measured_saving_ms", "measured_interval_ms", "n", "spread_ms",
+                                            "memory_saving_bytes", "group", "verdict", "reason")}
+                        for r in self.suggestions.to_dict("records")],
+            "not_installed": self.not_installed,
+            "recommendation": self.recommendation,
+            "batch_headroom": self.batch_headroom,
+            "ablation": None if a is None else {
+                "test": "sign test on paired per-block differences (all on but the group - all on), 95% interval "
+                        "of the median from order statistics",
+                "steps": a.steps, "blocks": a.blocks, "groups": [list(g) for g in a.groups],
+                "config_ms": a.config_ms, "peak_bytes": a.peak_bytes,
+                "total": None if a.total is None else {
+                    "saving_ms": a.total.saving_ms, "interval_ms": [a.total.lo_ms, a.total.hi_ms], "n": a.total.n,
+                    "verdict": a.total.verdict}},
+            "ablation_declined": self.declined,
+            "steps": _recs(self.steps), "losses": _recs(self.losses), "losses_agree": self.losses_agree,
+            "loss_tolerance": self.loss_tolerance,
+            "records": {"ablation": [rec(r) for r in recs],
+                        "after": [rec(r) for rep in self.reports for r in rep.records]},
+            "notes": self.notes,
+        }
+        return store.jsonable(doc)
 
 
-def _subtree_us(ops: pd.DataFrame, paths: Sequence[str], n_steps: int) -> float:
-    """Device time per step of everything under `paths` (fwd + bwd); the root path "" counts its
-    own ops and its leaf children (the lm head), not the whole model."""
-    mod = ops["module"]
-    mask = pd.Series(False, index=ops.index)
-    for p in paths:
-        if p == "":
-            mask |= (mod == "") | (~mod.str.contains(r"\.", regex=True) & (ops["module_class"] == "Linear"))
-        else:
-            mask |= (mod == p) | mod.str.startswith(p + ".")
-    sel = ops[mask & ops["phase"].isin(["fwd", "bwd"])]
-    return float(pd.to_numeric(sel["device_time (us)"], errors="coerce").fillna(0).sum()) / max(n_steps, 1)
+def _recs(df: pd.DataFrame) -> list[dict]:
+    return [{k: store.jsonable(v) for k, v in r.items()} for r in df.to_dict("records")]
 
 
 def _median(summary: dict, key: str) -> float:
@@ -70,7 +119,8 @@ def _pct(a: float, b: float) -> float:
     return (b - a) / a * 100 if a and a == a and b == b else math.nan
 
 
-def compare(before, after, plan: dict, ids: Sequence[str], reports: Sequence) -> tuple[pd.DataFrame, pd.DataFrame]:
+def compare(before, after) -> pd.DataFrame:
+    """Step time, tokens/s and peak memory of the two runs side by side."""
     sb, sa = before.summary, after.summary
     rows = []
     for label, key in (("step time (ms, median)", "profiled_step_time_ms"),
@@ -88,27 +138,7 @@ def compare(before, after, plan: dict, ids: Sequence[str], reports: Sequence) ->
         rows.append({"metric": label, "before": b, "after": a, "change %": _pct(b, a)})
     steps = pd.DataFrame(rows)
 
-    nb = int(sb.get("steps_recorded") or 1)
-    na = int(sa.get("steps_recorded") or 1)
-    recs = [r for rep in reports for r in rep.records]
-    srows = []
-    for s in plan.get("suggestions") or []:
-        if s["id"] not in ids:
-            continue
-        mine = [r for r in recs if r.rule == s["id"]]
-        paths = s.get("paths") or []
-        measured = (_subtree_us(before.ops, paths, nb) - _subtree_us(after.ops, paths, na)) / 1e3
-        srows.append({
-            "id": s["id"], "where": s.get("where"),
-            "predicted saving ms/step": s.get("saving ms/step"),
-            "measured saving ms/step": measured,
-            "patched": len(mine),
-            "verified": sum(r.status == "verified" for r in mine),
-            "failed": sum(r.status == "reverted" for r in mine),
-            "planned modules": len(paths),
-        })
-    return steps, pd.DataFrame(srows, columns=["id", "where", "predicted saving ms/step", "measured saving ms/step",
-                                               "patched", "verified", "failed", "planned modules"])
+    return steps
 
 
 def compare_losses(before, after, reports, n: int = 5) -> tuple[pd.DataFrame, bool | None, float | None]:
@@ -146,6 +176,203 @@ def write_lines(ids: Sequence[str], strict: bool) -> str:
     )
 
 
+def _dynamo_graphs() -> int:
+    """Dynamo's process-wide count of compiled graphs (0 if Dynamo was never imported)."""
+    import sys
+
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+    except Exception:  # internals moved: judge by what the runner's hooks can see instead
+        return 0
+
+
+class _Ablation:
+    """The ablation run's hooks: install every planned patch at each root's first call, then at
+    each timed step switch to that step's configuration (kprof.capture.runner.RunConfig.on_step)."""
+
+    def __init__(self, ids: Sequence[str], *, strict: bool, rules_dir: str | None, budget: int | None,
+                 seed: int):
+        self.ids, self.strict, self.rules_dir, self.budget, self.seed = list(ids), strict, rules_dir, budget, seed
+        self.reports: list = []
+        self.groups: list[tuple[str, ...]] = []
+        self.plan: list[ab.Config] = []
+        self.declined: str | None = None
+        self.blocks = 0
+        self.peaks: list[float | None] = []
+        self.static: list[float] = []
+        self.dynamo0 = _dynamo_graphs()
+        self.cuda = False  # decided at the first timed step: per-step peak memory only on CUDA
+        self.max_steps = budget if budget is not None else ab.steps_needed(len(self.ids))
+
+    def on_root(self, model) -> None:
+        self.reports.append(kpatch(model, rules=self.ids, strict=self.strict, rules_dir=self.rules_dir))
+
+    def _records(self):
+        return [r for rep in self.reports for r in rep.records]
+
+    def _start(self) -> bool:
+        """At the first timed step: groups, schedule; True stops the run (nothing to ablate)."""
+        import torch
+
+        if _dynamo_graphs() > self.dynamo0:
+            self.declined = ("the script compiles its model (torch.compile ran before the timed steps); switching "
+                             "patches inside a compiled model recompiles it at every switch, so the patches were not "
+                             "timed in-process")
+            return True
+        from kprof.rules import all_rules
+
+        live = [r for r in self._records() if r.status in ("verified", "installed")]
+        # A rule may declare the rules whose output it consumes (see kprof/patching/ablation.py).
+        consumes = {r.id: tuple(getattr(r, "consumes", ()) or ()) for r in all_rules(self.rules_dir)}
+        self.groups = ab.groups_of([(r.rule, r.path, r.module) for r in live], consumes)
+        if not self.groups:
+            return True
+        names = [ab.group_name(g) for g in self.groups]
+        self.blocks = (ab.DEFAULT_BLOCKS if self.budget is None
+                       else ab.blocks_within(self.budget, len(self.groups)))
+        self.plan = ab.schedule(names, self.blocks, seed=self.seed)
+        self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        return False
+
+    def on_step(self, i: int) -> bool:
+        import torch
+
+        if i == 0 and self._start():
+            return True
+        if self.cuda:
+            if i >= 1:
+                self.peaks.append(float(torch.cuda.max_memory_allocated()))
+            if i < len(self.plan):
+                # Between steps only weights, gradients and optimizer state are live: the static part.
+                self.static.append(float(torch.cuda.memory_allocated()))
+                torch.cuda.reset_peak_memory_stats()
+        if i >= len(self.plan):
+            self.enable_all()
+            return True
+        conf = self.plan[i]
+        on = {r for g in self.groups if ab.group_name(g) not in conf.off for r in g}
+        for rep in self.reports:
+            rep.enable_only(on)
+        return False
+
+    def enable_all(self) -> None:
+        for rep in self.reports:
+            rep.enable_only(self.ids)
+
+
+def _compile_figure(script: str, root) -> tuple[float, str] | None:
+    """torch.compile's measured speed-up over eager for this script, from the latest
+    `kprof apply --compare` in the store: (speed-up, run name) or None."""
+    want = str(Path(script).resolve())
+    for path in reversed(store.list_runs(root)):
+        f = Path(path) / store.COMPARE
+        if not f.is_file():
+            continue
+        try:
+            doc = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if str(Path(doc.get("script") or "").resolve()) != want:
+            continue
+        for row in doc.get("variants") or []:
+            if row.get("variant") == "compile" and row.get("status") == "ok" and row.get("speedup"):
+                return float(row["speedup"]), Path(row.get("run") or path).name
+    return None
+
+
+def recommend(res: ApplyResult, plan: dict, script: str, root) -> str:
+    """What to do, and what wins when kprof's patches don't."""
+    hb = plan.get("host_bound")
+    comp = _compile_figure(script, root)
+    compile_txt = (f"torch.compile measured {comp[0]:.2f}x eager (run {comp[1]})" if comp else
+                   f"measure torch.compile against these patches with `kprof apply {script} --compare`")
+    diag = next(iter(plan.get("diagnoses") or []), None)
+    code = f"; code change: {diag['id']}: {diag.get('change') or diag.get('how')}" if diag else ""
+    if res.declined:
+        return (f"the patches were not timed ({res.declined}); run `kprof apply {script} --compare` to time eager, "
+                "kprof, torch.compile and kprof+compile each in its own process")
+    a = res.ablation
+    if hb:
+        head = (f"the step is host-bound (GPU busy {hb.get('busy %', 0):.0f}%): GPU time saved does not shorten it; "
+                'CUDA graphs or torch.compile(mode="reduce-overhead") cut the launch overhead; ')
+    else:
+        head = ""
+    if res.kept:
+        tot = a.total if a is not None else None
+        got = (f", measured {tot.saving_ms:.3g} ms/step with every group on" if tot is not None and tot.kept else "")
+        return (head + f"keep {', '.join(res.kept)} ({len(res.kept)} rule(s){got}): `kprof apply {script} "
+                f"--write FILE`; {compile_txt}")
+    return (head + f"no patch made the step significantly faster here, so none is kept: leave the model as it is; "
+            f"{compile_txt}{code}")
+
+
+def _not_installed(ids: Sequence[str], reports: Sequence) -> list[dict]:
+    recs = [r for rep in reports for r in rep.records]
+    out = []
+    matched = {r.rule for r in recs}
+    for i in ids:
+        if i not in matched:
+            skipped = [why for rep in reports for rid, why in rep.skipped if rid == i]
+            out.append({"id": i, "why": skipped[0] if skipped else
+                        "planned from the profile but not found on the live model (structure or probe did not match)"})
+    by_rule: dict[str, list] = {}
+    for r in recs:
+        by_rule.setdefault(r.rule, []).append(r)
+    for rule, rs in by_rule.items():
+        bad = [r for r in rs if r.status == "reverted"]
+        if bad and len(bad) == len(rs):
+            out.append({"id": rule, "why": f"failed verification: {bad[0].verification.summary()}"})
+        elif all(r.status == "pending" for r in rs):
+            out.append({"id": rule, "why": "never called before the timed steps, so never verified or timed"})
+    return out
+
+
+def suggestions_frame(plan: dict, ids: Sequence[str], reports: Sequence, abl: "ab.Ablation | None",
+                      kept: Sequence[str], declined: str | None) -> pd.DataFrame:
+    """One row per planned rule: predicted vs measured saving, the ablation's verdict and why."""
+    recs = [r for rep in reports for r in rep.records]
+    rows = []
+    for s in plan.get("suggestions") or []:
+        if s["id"] not in ids:
+            continue
+        mine = [r for r in recs if r.rule == s["id"]]
+        d = abl.decision(s["id"]) if abl is not None else None
+        ok = sum(r.status in ("verified", "installed") for r in mine)
+        if d is not None:
+            reason, verdict = d.reason, d.verdict
+            if len(d.group) > 1:
+                reason = f"measured with {'+'.join(g for g in d.group if g != s['id'])} (nested): {reason}"
+        elif declined:
+            verdict, reason = "not measured", declined
+        elif not mine:
+            verdict, reason = "not installed", "not found on the live model"
+        elif not ok:
+            verdict, reason = "not installed", ("failed verification" if any(r.status == "reverted" for r in mine)
+                                               else "never called before the timed steps")
+        else:
+            verdict, reason = "not measured", "no ablation ran"
+        is_kept = s["id"] in kept
+        if is_kept and verdict != "kept":
+            reason = f"kept by --keep-losers; {reason}"
+        rows.append({
+            "id": s["id"], "where": s.get("where"), "verified": bool(mine) and ok == len(mine),
+            "modules": len(mine), "verified modules": ok, "kept": is_kept,
+            "predicted_saving_ms": s.get("saving ms/step"),
+            "measured_saving_ms": d.saving_ms if d is not None else None,
+            "measured_interval_ms": [d.lo_ms, d.hi_ms] if d is not None else None,
+            "n": d.n if d is not None else 0, "spread_ms": d.spread_ms if d is not None else None,
+            "memory_saving_bytes": d.memory_saving_bytes if d is not None else None,
+            "group": list(d.group) if d is not None else [s["id"]], "verdict": verdict, "reason": reason,
+        })
+    return pd.DataFrame(rows, columns=["id", "where", "verified", "modules", "verified modules", "kept",
+                                       "predicted_saving_ms", "measured_saving_ms", "measured_interval_ms", "n",
+                                       "spread_ms", "memory_saving_bytes", "group", "verdict", "reason"])
+
+
 def apply(
     script: str,
     argv: Sequence[str] = (),
@@ -156,23 +383,36 @@ def apply(
     rules_dir: str | None = None,
     out_root=None,
     progress: Callable | None = None,
+    steps: int | None = None,
+    prefer: str = "time",
+    keep_losers: bool = False,
+    seed: int = 0,
 ) -> ApplyResult:
+    """The ablation, then the kept set's profiled run (see the module docstring). `steps`: the
+    most timed steps the ablation may take (default: ablation.DEFAULT_BLOCKS blocks + a warm
+    one); `prefer`: "time" or "memory"; `keep_losers`: install every verified patch in the after
+    run (and --write) whatever the ablation says."""
+    from kprof.capture.runner import RunConfig, run_script
 
     if not Path(script).is_file():
         raise KprofError(f"no such script: {script}")
+    if prefer not in PREFER:
+        raise KprofError(f"--prefer must be one of {', '.join(PREFER)} (got {prefer!r})", exit_code=2)
+    least = ab.steps_needed(1, ab.MIN_BLOCKS)
+    if steps is not None and (not isinstance(steps, int) or steps < least):
+        raise KprofError(f"--steps bounds the ablation's timed steps and must be at least {least} (got {steps!r}): "
+                         f"{ab.MIN_BLOCKS} counted blocks + {ab.WARM_BLOCKS} warm block of 2 configurations, the "
+                         f"fewest a 95% sign test can decide with; each more patch group adds "
+                         f"{ab.MIN_BLOCKS + ab.WARM_BLOCKS} steps", exit_code=2)
     root = out_root or store.DEFAULT_ROOT
     before = load_run(run, root) if run is not None else store.latest_plain_run(root)
     store.check_same_script(before, script)
     plan = plan_for(before, rules_dir)
     ids = parse_ids(patch, plan)
     check_rules(ids, rules_dir)  # a plan made with --rules DIR needs the same DIR: fail before running the script
+    warmup = int(before.summary.get("warmup") or 3)
 
-    reports = []
-
-    def on_root(model) -> None:
-        reports.append(kpatch(model, rules=ids, strict=strict, rules_dir=rules_dir))
-
-    def strict_failure() -> KprofError | None:
+    def strict_failure(reports) -> KprofError | None:
         failed = [r for rep in reports for r in rep.records if r.status == "reverted"]
         if not (strict and failed):
             return None
@@ -180,62 +420,101 @@ def apply(
                                                    f"{r.verification.summary()}" for r in failed)
                           + "; run without --strict to keep the original code for these and go on")
 
+    # 1. The ablation: one unprofiled run, the patch groups switched between timed steps.
+    abl = _Ablation(ids, strict=strict, rules_dir=rules_dir, budget=steps, seed=seed)
     try:
-        after = profile_script(script, list(argv), warmup=int(before.summary.get("warmup") or 3),
-                               steps=int(before.summary.get("steps") or 5), out_root=root,
-                               progress=progress, on_root_module=on_root)
+        raw = run_script(script, list(argv), RunConfig(warmup=warmup, steps=abl.max_steps, on_root_module=abl.on_root,
+                                                       on_step=abl.on_step), progress=progress)
+    finally:
+        for rep in abl.reports:  # RoPE patches a shared module namespace: leave the process as we found it
+            rep.unpatch()
+    err = strict_failure(abl.reports)
+    if err is not None:
+        raise err
+    if raw.status == "error" and not raw.step_times_ms:
+        raise KprofError(f"{script} failed during kprof apply's ablation run:\n{(raw.error or '').rstrip()}",
+                         exit_code=raw.exit_code or 1)
+    if raw.status == "interrupted":
+        raise KprofError("interrupted during kprof apply's ablation run; nothing was saved", exit_code=130)
+    if not abl.reports:
+        raise KprofError(f"{script} never called an nn.Module, so there was nothing to patch")
+    notes: list[str] = []
+    result_ablation = None
+    if abl.plan:
+        times = list(raw.step_times_ms)
+        result_ablation = ab.decide(abl.groups, abl.plan, times, abl.peaks if abl.cuda else None, prefer=prefer)
+        k = len(ab.configs(abl.groups))
+        notes.append(f"ablation: {result_ablation.steps} timed steps ({ab.WARM_BLOCKS} warm + {abl.blocks} blocks of "
+                     f"{k} configurations, {len(abl.groups)} group(s)) after {warmup} warm-up; --steps bounds it")
+        if len(times) < len(abl.plan):
+            notes.append(f"the script ended after {len(times)} of the ablation's {len(abl.plan)} timed steps: "
+                         f"{result_ablation.blocks} complete blocks were judged; run it longer or lower --steps")
+        if abl.blocks < ab.MIN_BLOCKS:
+            notes.append(f"--steps {steps} fits {abl.blocks} blocks of {k} configurations; deciding needs "
+                         f"{ab.MIN_BLOCKS} ({ab.steps_needed(len(abl.groups), ab.MIN_BLOCKS)} steps)")
+    elif abl.declined is None and not any(r.status in ("verified", "installed")
+                                          for rep in abl.reports for r in rep.records):
+        notes.append("no patch was verified before the timed steps, so none was timed")
+    elif abl.declined is None:
+        notes.append(f"the script ended before the ablation's first timed step ({warmup} warm-up steps)")
+
+    verified = [i for i in ids if any(r.rule == i and r.status in ("verified", "installed")
+                                      for rep in abl.reports for r in rep.records)]
+    kept = list(verified) if keep_losers else [i for i in ids if result_ablation is not None
+                                                and i in result_ablation.kept_rules]
+
+    # 2. The kept set alone, profiled like the plan's run: after_ms and the loss watch.
+    reports = []
+
+    def on_root(model) -> None:
+        reports.append(kpatch(model, rules=kept, strict=strict, rules_dir=rules_dir))
+
+    try:
+        after = profile_script(script, list(argv), warmup=warmup, steps=int(before.summary.get("steps") or 5),
+                               out_root=root, progress=progress, on_root_module=on_root if kept else None)
     except KprofError:
-        err = strict_failure()  # the gate raised inside the script: say so without its traceback
+        err = strict_failure(reports)  # the gate raised inside the script: say so without its traceback
         if err is not None:
             raise err from None
         raise
     finally:
-        for rep in reports:  # RoPE patches a shared module namespace: leave the process as we found it
+        for rep in reports:
             rep.unpatch()
-    if not reports:
-        raise KprofError(f"{script} never called an nn.Module, so there was nothing to patch")
-    notes = []
+    err = strict_failure(reports)
+    if err is not None:
+        raise err
     recs = [r for rep in reports for r in rep.records]
-    matched = {r.rule for r in recs}
-    for i in ids:
-        if i not in matched:
-            notes.append(f"{i}: planned from the profile but not confirmed on the live model (structure or probe "
-                         "did not match); left unpatched")
     pending = [r for r in recs if r.status == "pending"]
     if pending:
-        notes.append(f"{len(pending)} patch(es) never ran during the profiled steps (still unverified): "
+        notes.append(f"{len(pending)} kept patch(es) never ran during the after run's steps (still unverified): "
                      + ", ".join(sorted({r.path for r in pending})[:5]))
-    for rep in reports:
-        for rid, why in rep.skipped:
-            if rid in ids:
-                notes.append(f"{rid}: {why}")
     by_note: dict[tuple[str, str], int] = {}
-    for r in recs:
+    for r in [r for rep in abl.reports for r in rep.records]:
         if r.note:
             by_note[(r.rule, r.note)] = by_note.get((r.rule, r.note), 0) + 1
     notes += [f"{rule} ({n} module{'s' if n > 1 else ''}): {note}" for (rule, note), n in by_note.items()]
-    err = strict_failure()
-    if err is not None:
-        raise err
 
-    steps, sugg = compare(before, after, plan, ids, reports)
     losses, agree, tol = compare_losses(before, after, reports)
-    kept = sorted({r.rule for r in recs if r.status == "verified"}, key=ids.index)
-    result = ApplyResult(before, after, ids, reports, steps, sugg, losses, agree, tol,
-                         write_lines(kept or ids, strict), notes)
-    _save(result)
-    return result
+    res = ApplyResult(before, after, ids, reports, compare(before, after),
+                      suggestions_frame(plan, ids, abl.reports, result_ablation, kept, abl.declined),
+                      losses, agree, tol, write_lines(kept, strict) if kept else "", notes,
+                      ablation=result_ablation, declined=abl.declined, ablation_reports=abl.reports, kept=kept,
+                      not_installed=_not_installed(ids, abl.reports), prefer=prefer)
+    b, a = res.before_ms, res.after_ms
+    p90 = ((before.summary.get("step_time_ms") or {}).get("p90"))
+    if kept and p90 is not None and a == a and a > p90:
+        res.notes.append(f"the kept set's run ({a:.3g} ms) is slower than the plan's run's p90 ({p90:.3g} ms; median "
+                         f"{b:.3g}): separate processes disagree with the in-process ablation; check with --compare")
+    if prefer == "memory" and result_ablation is not None and abl.static:
+        import statistics
+
+        pb, pa = before.summary.get("peak_memory_bytes"), after.summary.get("peak_memory_bytes")
+        if pb and pa and "max_memory_allocated" in str(after.summary.get("peak_memory_kind")):
+            res.batch_headroom = ab.batch_headroom(float(pb), float(pa), statistics.median(abl.static))
+    res.recommendation = recommend(res, plan, script, root)
+    _save(res)
+    return res
 
 
 def _save(res: ApplyResult) -> None:
-
-    def recs(df):
-        return [{k: store.jsonable(v) for k, v in r.items()} for r in df.to_dict("records")]
-
-    doc = {"before": res.before.name, "patch": res.patch_ids, "steps": recs(res.steps),
-           "suggestions": recs(res.suggestions), "losses": recs(res.losses), "losses_agree": res.losses_agree,
-           "patches": [{"rule": r.rule, "path": r.path, "status": r.status, "source": r.source,
-                        "verification": r.verification.summary() if r.verification else None}
-                       for rep in res.reports for r in rep.records],
-           "notes": res.notes}
-    (Path(res.after.path) / store.APPLY).write_text(json.dumps(doc, indent=1, allow_nan=False, default=str))
+    (Path(res.after.path) / store.APPLY).write_text(json.dumps(res.to_dict(), indent=1, allow_nan=False, default=str))

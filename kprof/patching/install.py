@@ -44,6 +44,7 @@ class PatchRecord:
     status: str = "pending"  # pending | verified | installed (verify=False) | reverted | removed
     verification: Verification | None = None
     note: str = ""
+    module: bool = True  # a module's forward (False: a function in a Python module, e.g. RoPE's)
 
     @property
     def ok(self) -> bool:
@@ -71,6 +72,7 @@ class _Unit:
         if not any((o, a) == self.entry for o, a, _ in self.overrides):
             self.saved.append((tgt, match.attr, tgt.__dict__.get(match.attr, _MISSING)))
         self.busy = False
+        self.enabled = True  # see set_enabled
         if verify:
             # Verification runs eagerly even when the first call happens inside a torch.compile'd
             # model (Dynamo would otherwise trace autograd.grad and the RNG forks); once installed,
@@ -147,6 +149,18 @@ class _Unit:
         tgt, attr = self.entry
         return getattr(tgt, attr)(*args, **kwargs)
 
+    def set_enabled(self, on: bool) -> None:
+        """Switch an installed patch off (the original code runs) or back on, without
+        unpatching: a few setattr calls (kprof apply's ablation does this between steps). Only
+        for verified or installed patches; a pending one keeps its first-call gate."""
+        if on == self.enabled or self.record.status not in ("verified", "installed"):
+            return
+        if on:
+            self._install()
+        else:
+            self._restore()
+        self.enabled = on
+
     def remove(self) -> None:
         self._restore()
         if self.record.status in ("pending", "installed"):
@@ -161,6 +175,13 @@ class PatchReport:
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (rule id, why it could not apply)
     _units: list[_Unit] = field(default_factory=list, repr=False)
     active: bool = True  # False after unpatch()
+
+    def enable_only(self, rules: Iterable[str]) -> None:
+        """Leave on the installed patches of `rules` and switch the others off (the original
+        code runs), without unpatching; `enable_only(all ids)` switches them all back on."""
+        keep = set(rules)
+        for u in self._units:
+            u.set_enabled(u.record.rule in keep)
 
     def unpatch(self) -> None:
         for u in reversed(self._units):
@@ -244,7 +265,7 @@ def patch(
             report.skipped.append((r.id, why))
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())
     for m in find_matches(model, chosen):
-        rec = PatchRecord(m.rule.id, m.path, m.source, dict(m.params))
+        rec = PatchRecord(m.rule.id, m.path, m.source, dict(m.params), module=m.is_module)
         if on_cpu and not interpreter_enabled() and m.rule.kernels:
             cuda_only = [k for k in m.rule.kernels if (s := kernel_spec(k)) is not None and s.cuda_only]
             rec.note = ("CPU without the Triton interpreter: the kernel runs its PyTorch reference"

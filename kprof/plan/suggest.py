@@ -146,26 +146,63 @@ def suggest(run, rules: Sequence[Any] | None = None) -> pd.DataFrame:
             "caveat", "applyable", "how"]
     plan = pd.DataFrame(rows, columns=cols)
     if len(plan):
-        # Known savings first, largest first; then unknown savings by measured time.
-        plan = plan.assign(_k=plan["saving ms/step"].isna()).sort_values(
-            ["_k", "saving ms/step", "ms/step"], ascending=[True, False, False]).drop(columns="_k")
+        plan = _by_saving(plan)
     plan = plan.reset_index(drop=True)
     plan.attrs["host_bound"] = hb
     return plan
+
+
+def _by_saving(df: pd.DataFrame) -> pd.DataFrame:
+    """Known savings first, largest first; then unknown savings by measured time (stable)."""
+    return df.assign(_k=df["saving ms/step"].isna()).sort_values(
+        ["_k", "saving ms/step", "ms/step"], ascending=[True, False, False], kind="stable").drop(columns="_k")
+
+
+def ranked(plan: pd.DataFrame, diagnoses: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Kernel suggestions and diagnoses (kprof.rules.diagnoses) in one list by estimated saving,
+    unknown savings last, with `rank` (1 = the largest saving) and `kind` ("kernel" or
+    "diagnosis"). A diagnosis that saves more than a kernel ranks above it: the user's time is
+    best spent in this order, whichever tool does the change."""
+    return _ranked_rows(plan, diagnoses).drop(columns="_row")
+
+
+def _ranked_rows(plan: pd.DataFrame, diagnoses: pd.DataFrame | None) -> pd.DataFrame:
+    # `ranked`, plus `_row`: each row's position in its own frame.
+    parts = [df.assign(kind=kind, _row=range(len(df))) for df, kind in ((plan, "kernel"), (diagnoses, "diagnosis"))
+             if df is not None and len(df)]
+    if not parts:
+        return pd.DataFrame(columns=["rank", "kind", *plan.columns, "_row"])
+    both = _by_saving(pd.concat(parts, ignore_index=True)).reset_index(drop=True)
+    both.insert(0, "rank", range(1, len(both) + 1))
+    return both
 
 
 def plan_records(plan: pd.DataFrame) -> list[dict]:
     return [{k: store.jsonable(v) for k, v in r.items()} for r in plan.to_dict("records")]
 
 
-def save_plan(run, plan: pd.DataFrame, diagnoses: pd.DataFrame | None = None) -> Path:
-    """plan.json: the kernel suggestions (what `kprof apply` patches) and, apart, the diagnoses
-    (kprof.rules.diagnoses: changes the user makes in the script). "host_bound": the plan's
-    attrs["host_bound"] (null when the step isn't host-bound)."""
+def plan_doc(run, plan: pd.DataFrame, diagnoses: pd.DataFrame | None = None) -> dict:
+    """plan.json's content: the kernel suggestions (what `kprof apply` patches) and, apart, the
+    diagnoses (changes the user makes in the script), each record with its `rank` in the one
+    ranking of both (`ranked`). "host_bound": the plan's attrs["host_bound"] (null when the step
+    isn't host-bound)."""
+    both = _ranked_rows(plan, diagnoses)
+
+    def part(df: pd.DataFrame, kind: str) -> list[dict]:
+        # Each list keeps its own order (suggestions by saving, diagnoses in DIAGNOSES order).
+        mine = both[both["kind"] == kind].sort_values("_row")
+        return plan_records(df.assign(rank=mine["rank"].to_numpy())) if len(df) else []
+
     doc = {"run": run.name, "script": run.summary.get("script"), "argv": run.summary.get("argv"),
-           "host_bound": store.jsonable(plan.attrs.get("host_bound")), "suggestions": plan_records(plan)}
+           "host_bound": store.jsonable(plan.attrs.get("host_bound")), "suggestions": part(plan, "kernel")}
     if diagnoses is not None:
-        doc["diagnoses"] = plan_records(diagnoses)
+        doc["diagnoses"] = part(diagnoses, "diagnosis")
+    return doc
+
+
+def save_plan(run, plan: pd.DataFrame, diagnoses: pd.DataFrame | None = None) -> Path:
+    """plan.json (`plan_doc`) in the run's folder."""
+    doc = plan_doc(run, plan, diagnoses)
     path = Path(run.path) / PLAN
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=1, allow_nan=False))

@@ -48,7 +48,7 @@ def _ref_dtype(dtype):
     return torch.float64 if dtype == torch.float32 else torch.float32
 
 
-def _inputs(n, v, dtype, device, scale=3.0, ignore_every=4, seed=0):
+def ce_inputs(n, v, dtype, device, scale=3.0, ignore_every=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(n, v, generator=g) * scale).to(device=device, dtype=dtype)
     target = torch.randint(0, v, (n,), generator=g).to(device)
@@ -57,7 +57,7 @@ def _inputs(n, v, dtype, device, scale=3.0, ignore_every=4, seed=0):
     return logits, target
 
 
-def _run(fn, logits, target, grad_out=None, view=None, **kw):
+def run_ce(fn, logits, target, grad_out=None, view=None, **kw):
     x = logits.detach().clone().requires_grad_()
     loss = fn(view(x) if view else x, target, **kw)
     go = torch.ones_like(loss) if grad_out is None else grad_out.to(loss.dtype)
@@ -65,12 +65,12 @@ def _run(fn, logits, target, grad_out=None, view=None, **kw):
     return loss.detach(), g
 
 
-def _check(logits, target, grad_out=None, equal_nan=False, view=None, **kw):
+def check_ce(logits, target, grad_out=None, equal_nan=False, view=None, **kw):
     """Kernel vs reference, loss and d loss / d logits. `view` is applied to the leaf before the
     call (to pass non-contiguous logits); grads are taken w.r.t. the leaf."""
     dtype = logits.dtype
-    loss, grad = _run(cross_entropy, logits, target, grad_out, view, **kw)
-    loss_r, grad_r = _run(cross_entropy_reference, logits.to(_ref_dtype(dtype)), target, grad_out, view, **kw)
+    loss, grad = run_ce(cross_entropy, logits, target, grad_out, view, **kw)
+    loss_r, grad_r = run_ce(cross_entropy_reference, logits.to(_ref_dtype(dtype)), target, grad_out, view, **kw)
     assert loss.dtype == dtype and loss.shape == loss_r.shape
     assert grad.dtype == dtype and grad.shape == logits.shape
     if equal_nan:
@@ -84,8 +84,8 @@ def _check(logits, target, grad_out=None, equal_nan=False, view=None, **kw):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_matches_reference_shapes(shape, dtype, device):
-    logits, target = _inputs(*shape, dtype, device)
-    _check(logits, target)
+    logits, target = ce_inputs(*shape, dtype, device)
+    check_ce(logits, target)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -93,74 +93,74 @@ def test_matches_reference_shapes(shape, dtype, device):
 @pytest.mark.parametrize("opt", list(OPTIONS), ids=str)
 @pytest.mark.parametrize("v", [781, 20000], ids=["one-block", "blocked"])
 def test_matches_reference_options(v, opt, reduction, dtype, device):
-    logits, target = _inputs(6, v, dtype, device, seed=1)
+    logits, target = ce_inputs(6, v, dtype, device, seed=1)
     g = torch.Generator().manual_seed(2)
     grad_out = None
     if reduction == "none":  # per-token grad_output exercises the per-row backward scaling
         grad_out = torch.rand(6, generator=g).to(device) + 0.5
-    _check(logits, target, grad_out, reduction=reduction, **OPTIONS[opt])
+    check_ce(logits, target, grad_out, reduction=reduction, **OPTIONS[opt])
 
 
 @pytest.mark.parametrize("grad_out", [1.0, 0.25, 3.0, 0.0])
 def test_scalar_grad_output(grad_out, device):
     # grad_output == 1 is skipped on the device; other values scale the stored gradient.
-    logits, target = _inputs(5, 300, torch.float32, device)
-    _check(logits, target, torch.tensor(grad_out, device=device))
+    logits, target = ce_inputs(5, 300, torch.float32, device)
+    check_ce(logits, target, torch.tensor(grad_out, device=device))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_non_contiguous(dtype, device):
-    base, _ = _inputs(8, 2 * 301, dtype, device)
-    _, target = _inputs(8, 301, dtype, device)
+    base, _ = ce_inputs(8, 2 * 301, dtype, device)
+    _, target = ce_inputs(8, 301, dtype, device)
     views = [
         lambda x: x[:, ::2],  # stride 2 along V: the op makes it contiguous
         lambda x: x[:, :301],  # row stride 602 > V: read in place through the row stride
     ]
     for view in views:
         assert not view(base).is_contiguous()
-        _check(base, target, view=view)
-    wide, _ = _inputs(301, 8, dtype, device, seed=3)
-    _check(wide, target, view=lambda x: x.t())  # transposed: unit stride along N, not V
+        check_ce(base, target, view=view)
+    wide, _ = ce_inputs(301, 8, dtype, device, seed=3)
+    check_ce(wide, target, view=lambda x: x.t())  # transposed: unit stride along N, not V
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_empty(reduction, device):
     logits = torch.empty(0, 11, device=device)
     target = torch.empty(0, dtype=torch.long, device=device)
-    _check(logits, target, equal_nan=True, reduction=reduction)
+    check_ce(logits, target, equal_nan=True, reduction=reduction)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
 def test_all_ignored(label_smoothing, reduction, dtype, device):
-    logits, _ = _inputs(4, 50, dtype, device)
+    logits, _ = ce_inputs(4, 50, dtype, device)
     target = torch.full((4,), -100, device=device)
-    loss, grad = _check(logits, target, equal_nan=True, reduction=reduction, label_smoothing=label_smoothing)
+    loss, grad = check_ce(logits, target, equal_nan=True, reduction=reduction, label_smoothing=label_smoothing)
     if reduction == "mean":
         assert torch.isnan(loss)  # like torch: 0 / 0
     assert torch.count_nonzero(grad) == 0
 
 
 def test_strided_target(device):
-    logits, _ = _inputs(6, 40, torch.float32, device)
-    _, t = _inputs(12, 40, torch.float32, device)
+    logits, _ = ce_inputs(6, 40, torch.float32, device)
+    _, t = ce_inputs(12, 40, torch.float32, device)
     target = t[::2]
     assert not target.is_contiguous()
-    _check(logits, target)
+    check_ce(logits, target)
 
 
 def test_custom_ignore_index(device):
-    logits, target = _inputs(9, 40, torch.float32, device, ignore_every=0)
+    logits, target = ce_inputs(9, 40, torch.float32, device, ignore_every=0)
     target[2] = 7
     target[5] = 7
-    _check(logits, target, ignore_index=7)
+    check_ce(logits, target, ignore_index=7)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_one_token(dtype, device):
-    logits, target = _inputs(1, 1000, dtype, device, ignore_every=0)
-    _check(logits, target)
+    logits, target = ce_inputs(1, 1000, dtype, device, ignore_every=0)
+    check_ce(logits, target)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -168,13 +168,13 @@ def test_one_token(dtype, device):
 def test_extreme_logits(v, dtype, device):
     # fp16: logits at half the fp16 range (max 65504), so that lse - z_y (up to 2x) still fits.
     big = 3e4 if dtype == torch.float16 else 1e4
-    logits, target = _inputs(6, v, torch.float32, device)
+    logits, target = ce_inputs(6, v, torch.float32, device)
     logits = torch.where(logits > 0, big, -big) * torch.rand(logits.shape, generator=torch.Generator().manual_seed(0)).to(device)
     logits[0, 0] = big  # one dominant class per row
     logits[1].fill_(-big)  # a flat row at the bottom of the range
-    loss, grad = _check(logits.to(dtype), target)
+    loss, grad = check_ce(logits.to(dtype), target)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
-    _check(logits.to(dtype), target, softcap=30.0, z_loss=1e-4)
+    check_ce(logits.to(dtype), target, softcap=30.0, z_loss=1e-4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -184,14 +184,14 @@ def test_minus_inf_logits(opt, v, dtype, device):
     """Vocabulary masked with -inf (padded or banned tokens), as F.cross_entropy allows: finite
     loss, zero gradient on the masked columns. Row 0 is masked everywhere but its target; row 1
     has whole leading blocks of -inf (the looped path's running max starts at -inf there)."""
-    logits, target = _inputs(4, v, dtype, device, ignore_every=0)
+    logits, target = ce_inputs(4, v, dtype, device, ignore_every=0)
     logits[:, 1::3] = float("-inf")
     target = torch.where(target % 3 == 1, target - 1, target)  # targets stay unmasked
     logits[0] = float("-inf")
     logits[0, target[0]] = 1.0
     logits[1, : min(v - 1, 9000)] = float("-inf")
     target[1] = v - 1 if (v - 1) % 3 != 1 else v - 2  # an unmasked column after the -inf run
-    loss, grad = _check(logits, target, **OPTIONS[opt])
+    loss, grad = check_ce(logits, target, **OPTIONS[opt])
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
     assert (grad[logits == float("-inf")] == 0).all()
 
@@ -200,13 +200,13 @@ def test_softcap_small_and_large_arguments(device):
     # The kernel's tanh switches formula at |x / softcap| = 1/16; cover both sides and the far tail.
     x = torch.tensor([[0.0, 1e-6, -1e-3, 0.0624, 0.0626, -0.5, 2.0, -20.0, 500.0]], device=device) * 4.0
     target = torch.tensor([3], device=device)
-    _check(x, target, softcap=4.0)
+    check_ce(x, target, softcap=4.0)
 
 
 @pytest.mark.parametrize("v", [300, 20000], ids=["one-block", "blocked"])
 def test_inplace_grad(v, device):
-    logits, target = _inputs(6, v, torch.bfloat16, device)
-    loss_r, grad_r = _run(cross_entropy, logits, target)
+    logits, target = ce_inputs(6, v, torch.bfloat16, device)
+    loss_r, grad_r = run_ce(cross_entropy, logits, target)
     x = logits.detach().clone().requires_grad_()
     y = x * 1.0  # a non-leaf whose producer does not need its output for backward
     loss = cross_entropy(y, target, inplace_grad=True)
@@ -235,22 +235,22 @@ def test_second_backward_raises(device):
 
 
 def test_no_grad_computes_loss_only(device):
-    logits, target = _inputs(6, 500, torch.float32, device)
+    logits, target = ce_inputs(6, 500, torch.float32, device)
     with torch.no_grad():
         loss = cross_entropy(logits, target, label_smoothing=0.1)
     assert_close(loss, cross_entropy_reference(logits.double(), target, label_smoothing=0.1).float())
 
 
 def test_int32_targets(device):
-    logits, target = _inputs(6, 100, torch.float32, device)
-    _check(logits, target.to(torch.int32))
+    logits, target = ce_inputs(6, 100, torch.float32, device)
+    check_ce(logits, target.to(torch.int32))
 
 
 @pytest.mark.parametrize("v", [300, 20000], ids=["one-block", "blocked"])
 def test_deterministic(v, device):
-    logits, target = _inputs(33, v, torch.bfloat16, device)
-    a = _run(cross_entropy, logits, target, label_smoothing=0.1, z_loss=1e-3)
-    b = _run(cross_entropy, logits, target, label_smoothing=0.1, z_loss=1e-3)
+    logits, target = ce_inputs(33, v, torch.bfloat16, device)
+    a = run_ce(cross_entropy, logits, target, label_smoothing=0.1, z_loss=1e-3)
+    b = run_ce(cross_entropy, logits, target, label_smoothing=0.1, z_loss=1e-3)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
@@ -318,7 +318,7 @@ def emulate_torch211_function_tracing(monkeypatch) -> None:
 def test_torch_compile_fullgraph(inplace, tracing, device, monkeypatch):
     if tracing == "torch2.11":
         emulate_torch211_function_tracing(monkeypatch)
-    logits, target = _inputs(6, 300, torch.float32, device)
+    logits, target = ce_inputs(6, 300, torch.float32, device)
     w = torch.randn(300, 300, device=device) / 17
 
     def f(x, w, t):
@@ -338,7 +338,7 @@ def test_torch_compile_fullgraph(inplace, tracing, device, monkeypatch):
 def test_custom_ops_opcheck(device):
     # Schema (declared mutations: the in-place fwd writes logits, the bwd scales grad), fake
     # impls against the real outputs, and AOT dispatch, for every op torch.compile sees.
-    logits, target = _inputs(5, 40, torch.float32, device)
+    logits, target = ce_inputs(5, 40, torch.float32, device)
     scale = torch.tensor(0.25, device=device)
     ops = torch.ops.kprof
     cases = [
@@ -353,16 +353,16 @@ def test_custom_ops_opcheck(device):
 
 
 def test_module_matches_function(device):
-    logits, target = _inputs(6, 300, torch.float16, device)
+    logits, target = ce_inputs(6, 300, torch.float16, device)
     mod = CrossEntropyLoss(reduction="sum", label_smoothing=0.1, softcap=20.0)
     assert "softcap=20.0" in repr(mod)
-    a = _run(lambda x, t: mod(x, t), logits, target)
-    b = _run(cross_entropy, logits, target, reduction="sum", label_smoothing=0.1, softcap=20.0)
+    a = run_ce(lambda x, t: mod(x, t), logits, target)
+    b = run_ce(cross_entropy, logits, target, reduction="sum", label_smoothing=0.1, softcap=20.0)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 def test_reference_is_f_cross_entropy_without_extras():
-    logits, target = _inputs(7, 50, torch.float64, "cpu")
+    logits, target = ce_inputs(7, 50, torch.float64, "cpu")
     for red in ("mean", "sum", "none"):
         torch.testing.assert_close(
             cross_entropy_reference(logits, target, reduction=red, label_smoothing=0.3),
@@ -373,7 +373,7 @@ def test_reference_is_f_cross_entropy_without_extras():
 def test_fallback_without_triton(monkeypatch):
     monkeypatch.setattr(ce_mod, "use_triton", lambda t: False)
     monkeypatch.setattr(common, "_warned", set())
-    logits, target = _inputs(4, 30, torch.float32, "cpu")
+    logits, target = ce_inputs(4, 30, torch.float32, "cpu")
     with pytest.warns(UserWarning, match="cross_entropy"):
         out = cross_entropy(logits, target, z_loss=1e-3)
     torch.testing.assert_close(out, cross_entropy_reference(logits, target, z_loss=1e-3))
@@ -392,8 +392,8 @@ def test_fallback_without_triton(monkeypatch):
 )
 def test_property_random(n, v, dtype, label_smoothing, z_loss, softcap, reduction, seed):
     device = "cuda" if HAS_CUDA else "cpu"
-    logits, target = _inputs(n, v, dtype, device, seed=seed, ignore_every=3)
-    loss, grad = _check(logits, target, equal_nan=True, label_smoothing=label_smoothing, z_loss=z_loss,
+    logits, target = ce_inputs(n, v, dtype, device, seed=seed, ignore_every=3)
+    loss, grad = check_ce(logits, target, equal_nan=True, label_smoothing=label_smoothing, z_loss=z_loss,
                         softcap=softcap, reduction=reduction)
     if reduction == "none" and label_smoothing == 0.0 and z_loss == 0.0:
         assert (loss.float() >= 0).all()
@@ -463,7 +463,7 @@ def test_registry_spec_and_costs():
 @pytest.mark.gpu
 def test_gpu_issue_shape_memory(device):
     # 8192 x 128256 bf16: forward + backward allocate the gradient and nothing of its size beside.
-    logits, target = _inputs(8192, 128256, torch.bfloat16, device)
+    logits, target = ce_inputs(8192, 128256, torch.bfloat16, device)
     x = logits.requires_grad_()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -481,7 +481,7 @@ def test_gpu_issue_shape_memory(device):
 
 @pytest.mark.gpu
 def test_gpu_inplace_no_extra_memory(device):
-    logits, target = _inputs(4096, 128256, torch.bfloat16, device)
+    logits, target = ce_inputs(4096, 128256, torch.bfloat16, device)
     x = logits.requires_grad_()
     y = x * 1.0
     torch.cuda.synchronize()

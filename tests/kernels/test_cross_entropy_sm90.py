@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 import torch
-from test_cross_entropy import OPTIONS, _check, _inputs, _run
+from test_cross_entropy import OPTIONS, ce_inputs, check_ce, run_ce
 
 from kprof.errors import KprofError
 from kprof.kernels import cross_entropy_sm90 as sm90
@@ -137,8 +137,8 @@ def cluster(monkeypatch):
 @sm90_only
 @pytest.mark.parametrize("shape, dtype", SM90_CASES, ids=lambda x: f"{x[0]}x{x[1]}" if isinstance(x, tuple) else str(x))
 def test_matches_reference_shapes(shape, dtype, device, cluster):
-    logits, target = _inputs(*shape, dtype, device)
-    _check(logits, target)
+    logits, target = ce_inputs(*shape, dtype, device)
+    check_ce(logits, target)
 
 
 @pytest.mark.gpu
@@ -147,23 +147,23 @@ def test_matches_reference_shapes(shape, dtype, device, cluster):
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("opt", list(OPTIONS), ids=str)
 def test_matches_reference_options(opt, reduction, dtype, device, cluster):
-    logits, target = _inputs(19, 40000, dtype, device, seed=1)
+    logits, target = ce_inputs(19, 40000, dtype, device, seed=1)
     grad_out = None
     if reduction == "none":  # per-row scale through the kernel's scale_stride
         grad_out = torch.rand(19, generator=torch.Generator().manual_seed(2)).to(device) + 0.5
-    _check(logits, target, grad_out, reduction=reduction, **OPTIONS[opt])
+    check_ce(logits, target, grad_out, reduction=reduction, **OPTIONS[opt])
 
 
 @pytest.mark.gpu
 @sm90_only
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_same_as_triton_kernel(dtype, device, monkeypatch):
-    logits, target = _inputs(129, 128256, dtype, device, seed=3)
+    logits, target = ce_inputs(129, 128256, dtype, device, seed=3)
     kw = {"label_smoothing": 0.1, "z_loss": 1e-4, "softcap": 30.0}
     out = {}
     for b in ("triton", "cluster"):
         monkeypatch.setenv("KPROF_CE_BACKEND", b)
-        out[b] = _run(cross_entropy, logits, target, **kw)
+        out[b] = run_ce(cross_entropy, logits, target, **kw)
     assert_close(out["cluster"][0], out["triton"][0], msg="loss")
     assert_close(out["cluster"][1], out["triton"][1], msg="grad")
 
@@ -175,38 +175,38 @@ def test_edge_rows(dtype, device, cluster):
     # all ignored; a custom ignore_index; int32 targets; extreme and -inf logits; a row stride
     # wider than V; the gradient written in place.
     v = 24576
-    logits, _ = _inputs(6, v, dtype, device)
-    _check(logits, torch.full((6,), -100, device=device), equal_nan=True)
-    logits, target = _inputs(9, v, dtype, device, ignore_every=0)
+    logits, _ = ce_inputs(6, v, dtype, device)
+    check_ce(logits, torch.full((6,), -100, device=device), equal_nan=True)
+    logits, target = ce_inputs(9, v, dtype, device, ignore_every=0)
     target[[2, 5]] = 7
-    _check(logits, target, ignore_index=7)
-    _check(logits, target.to(torch.int32))
+    check_ce(logits, target, ignore_index=7)
+    check_ce(logits, target.to(torch.int32))
     big = 3e4 if dtype == torch.float16 else 1e4
     ext = torch.where(logits.float() > 0, big, -big).to(dtype)
     ext[1].fill_(-big)
-    _check(ext, target, softcap=30.0, z_loss=1e-4)
+    check_ce(ext, target, softcap=30.0, z_loss=1e-4)
     masked = logits.clone()
     masked[:, 1::3] = float("-inf")
     t = torch.where(target % 3 == 1, target - 1, target)
     masked[0, : v - 64] = float("-inf")  # whole CTA slices of -inf
     t[0] = v - 1 if (v - 1) % 3 != 1 else v - 2
-    loss, grad = _check(masked, t)
+    loss, grad = check_ce(masked, t)
     assert torch.isfinite(loss) and (grad[masked == float("-inf")] == 0).all()
-    wide, _ = _inputs(9, v + 8, dtype, device)
-    _check(wide, target, view=lambda x: x[:, :v])
+    wide, _ = ce_inputs(9, v + 8, dtype, device)
+    check_ce(wide, target, view=lambda x: x[:, :v])
     x = logits.detach().clone().requires_grad_()
     y = x * 1.0
     loss = cross_entropy(y, target, inplace_grad=True)
     (g,) = torch.autograd.grad(loss, y)
     assert g.data_ptr() == y.data_ptr()
-    _, g_ref = _run(cross_entropy, logits, target)
+    _, g_ref = run_ce(cross_entropy, logits, target)
     assert_close(g, g_ref)
 
 
 @pytest.mark.gpu
 @sm90_only
 def test_cuda_graph_replay(device, cluster):
-    logits, target = _inputs(512, 128256, torch.bfloat16, device)
+    logits, target = ce_inputs(512, 128256, torch.bfloat16, device)
     grad = torch.empty_like(logits)
     loss_rows = torch.empty(512, device=device)
     scale = torch.ones((), device=device)
@@ -228,10 +228,10 @@ def test_cuda_graph_replay(device, cluster):
 @sm90_only
 def test_declined_shape_raises_when_forced(device, monkeypatch):
     monkeypatch.setenv("KPROF_CE_BACKEND", "cluster")
-    logits, target = _inputs(4, 50257, torch.bfloat16, device)
+    logits, target = ce_inputs(4, 50257, torch.bfloat16, device)
     with pytest.raises(KprofError, match="16-byte aligned"):
         cross_entropy(logits, target)
     monkeypatch.setenv("KPROF_CE_BACKEND", "auto")
     before = sm90.launches["cluster"]
-    _check(logits, target)  # auto: the Triton kernel, silently
+    check_ce(logits, target)  # auto: the Triton kernel, silently
     assert sm90.launches["cluster"] == before

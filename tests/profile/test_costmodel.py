@@ -388,3 +388,122 @@ def test_gpu_coverage_tiny_llama_bf16(tmp_path):
     # flash/efficient attention kernels are costed
     attn = ops[ops["op"].str.contains("attention")]
     assert len(attn) and attn["cost_known"].all()
+
+
+# Hand counts for the formulas of gather/scatter, sort/select, grouped matmuls, embedding and SDPA
+# backward. Argument layouts as torch 2.13's profiler records them (checked on this CPU).
+F4, I8 = 4, 8  # bytes of float32, int64
+
+
+def test_gather_scatter_hand_counts():
+    # index_select(x [6, 5], dim 0, index [3]) -> [3, 5]: index, the 15 picked, the 15 written
+    c = cost("aten::index_select", [[6, 5], [], [3]], ["float32", "Scalar", "int64"], concrete=["", "0", ""])
+    assert c == (0, 3 * I8 + 2 * 15 * F4)
+    # gather(x [6, 5], dim 1, index [3, 5]) -> [3, 5]
+    c = cost("aten::gather", [[6, 5], [], [3, 5], []], ["float32", "Scalar", "int64", "Scalar"],
+             concrete=["", "1", "", "False"])
+    assert c == (0, 15 * I8 + 2 * 15 * F4)
+    # scatter_add_(x [6, 5], 0, index [2, 5], src [2, 5]): read src, index; read+write 10 of x
+    c = cost("aten::scatter_add_", [[6, 5], [], [2, 5], [2, 5]], ["float32", "Scalar", "int64", "float32"],
+             concrete=["", "0", "", ""])
+    assert c == (10, 10 * F4 + 10 * I8 + 2 * 10 * F4)
+    # index_add_(x [6, 5], 0, index [3], source [3, 5], alpha 1): 15 adds
+    c = cost("aten::index_add_", [[6, 5], [], [3], [3, 5], []], ["float32", "Scalar", "int64", "float32", "Scalar"],
+             concrete=["", "0", "", "", "1"])
+    assert c == (15, 15 * F4 + 3 * I8 + 2 * 15 * F4)
+
+
+def test_index_put_from_values():
+    """x.index_put_((i,), v [3, 5], accumulate=True): the profiler records no indices ('' type),
+    so the region comes from the values; a broadcast 0-d value leaves it unknown."""
+    types = ["float", "", "float", "Scalar"]
+    c = cost("aten::index_put_", [[6, 5], [], [3, 5], []], ["float32", "", "float32", "Scalar"],
+             concrete=["", "", "", "True"], types=types)
+    assert c == (15, 15 * F4 + 2 * 15 * F4)
+    c = cost("aten::_index_put_impl_", [[6, 5], [], [3, 5], [], []], ["float32", "", "float32", "Scalar", "Scalar"],
+             concrete=["", "", "", "False", "False"], types=types + ["Scalar"])
+    assert c == (0, 15 * F4 + 15 * F4)
+    assert cost("aten::index_put_", [[6, 5], [], [], []], ["float32", "", "float32", "Scalar"],
+                concrete=["", "", "", "False"], types=types) is None
+
+
+def test_sort_topk_histc_hand_counts():
+    x = [6, 5]
+    # sort along dim 1: 6 rows of 5, ceil(log2 5) = 3 comparisons per element; values + int64 indices
+    c = cost("aten::sort", [x, [], []], ["float32", "Scalar", "Scalar"], concrete=["", "1", "False"])
+    assert c == (30 * 3, 30 * F4 + 30 * F4 + 30 * I8)
+    c = cost("aten::sort", [x, [], [], []], ["float32"] + ["Scalar"] * 3, concrete=["", "False", "0", "False"])
+    assert c == (30 * 3, 30 * F4 + 30 * F4 + 30 * I8)  # sort.stable along dim 0: ceil(log2 6) = 3
+    # topk(k=2, dim=1): one comparison per element, [6, 2] values and indices
+    c = cost("aten::topk", [x, [], [], [], []], ["float32"] + ["Scalar"] * 4, concrete=["", "2", "1", "True", "True"])
+    assert c == (30, 30 * F4 + 12 * F4 + 12 * I8)
+    # histc(bins=4): 3 FLOPs per element, 4 counts written
+    c = cost("aten::histc", [x, [], [], []], ["float32"] + ["Scalar"] * 3, concrete=["", "4", "0", "0"])
+    assert c == (90, 30 * F4 + 4 * F4)
+
+
+def test_grouped_mm_hand_counts():
+    """_grouped_mm over 2 groups (MoE experts): 2*M*N*K over the whole problem."""
+    t = ["c10::BFloat16", "c10::BFloat16", "int", "", ""]
+    dt = ["bfloat16", "bfloat16", "int32", "", ""]
+    # 2d x 3d: a [8, 16] split by offs along M, b [2, 16, 4] -> [8, 4]
+    c = cost("aten::_grouped_mm", [[8, 16], [2, 16, 4], [2], [], []], dt, types=t)
+    assert c == (2 * 8 * 16 * 4, 8 * 16 * 2 + 2 * 16 * 4 * 2 + 2 * 4 + 8 * 4 * 2)
+    # 2d x 2d (weight gradient): a [4, 10], b [10, 6] split along K=10 -> [2, 4, 6]
+    c = cost("aten::_grouped_mm", [[4, 10], [10, 6], [2], [], []], dt, types=t)
+    assert c == (2 * 4 * 10 * 6, 4 * 10 * 2 + 10 * 6 * 2 + 2 * 4 + 2 * 4 * 6 * 2)
+    # 3d x 3d: batched [2, 8, 16] @ [2, 16, 4]
+    c = cost("aten::_grouped_mm", [[2, 8, 16], [2, 16, 4], [], [], []], dt[:2] + ["", "", ""],
+             types=t[:2] + ["", "", ""])  # no offs
+    assert c == (2 * 2 * 8 * 16 * 4, 2 * 8 * 16 * 2 + 2 * 16 * 4 * 2 + 2 * 8 * 4 * 2)
+
+
+def test_embedding_dense_backward_hand_count():
+    # grad [4, 3, 8] for indices [4, 3] into a 10-row table: one add per grad element, read grad
+    # and indices, write the dense [10, 8] weight gradient
+    c = cost("aten::embedding_dense_backward", [[4, 3, 8], [4, 3], [], [], []],
+             ["float32", "int64", "Scalar", "Scalar", "Scalar"], concrete=["", "", "10", "-1", "False"])
+    assert c == (96, 96 * F4 + 12 * I8 + 10 * 8 * F4)
+
+
+@pytest.mark.parametrize("op", ["aten::_scaled_dot_product_flash_attention_backward",
+                                "aten::_scaled_dot_product_efficient_attention_backward"])
+def test_sdpa_backward_hand_count(op):
+    """B=1, H=2, S=4, D=8, bf16, not causal: five S x S x D matmuls (recomputed scores, dV, dP,
+    dQ, dK), 2 FLOPs per multiply-add; read q, k, v, out, dout, lse, write dq, dk, dv."""
+    B, H, S, D = 1, 2, 4, 8
+    q = [B, H, S, D]
+    if "flash" in op:  # (grad_out, q, k, v, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, p, causal, ...)
+        shapes = [q, q, q, q, q, [B, H, S], [], [], [], [], [], [], [], [], []]
+        dtypes = ["bfloat16"] * 5 + ["float32", "", "", "Scalar", "Scalar", "Scalar", "Scalar", "int64", "int64", ""]
+        concrete = [""] * 8 + [str(S), str(S), "0.", "False", "", "", ""]
+    else:  # (grad_out, q, k, v, attn_bias, out, logsumexp, philox_seed, philox_offset, p, grad_input_mask, causal, scale)
+        shapes = [q, q, q, q, [], q, [B, H, S], [], [], [], [], [], []]
+        dtypes = ["bfloat16"] * 4 + [""] + ["bfloat16", "float32", "int64", "int64", "Scalar", "ScalarList", "Scalar", ""]
+        concrete = [""] * 9 + ["0.", "[True, True, True, False]", "False", ""]
+    c = cost(op, shapes, dtypes, concrete=concrete, types=[_trace_type(d) for d in dtypes])
+    assert c.flops == 5 * 2 * B * H * S * S * D
+    qkv, out, lse = 3 * B * H * S * D * 2, B * H * S * D * 2, B * H * S * 4
+    assert c.bytes == 2 * qkv + 2 * out + lse
+
+
+def test_uncosted_ops_get_an_estimate_that_does_not_count():
+    """An op without a formula is shown with the generic estimate (inputs + an output the size of
+    the largest input) and stays out of coverage."""
+    import pandas as pd
+
+    ops = pd.DataFrame({
+        "op": ["aten::mm", "aten::some_op_kprof_has_no_formula_for"], "input_shapes": [[[4, 8], [8, 2]], [[4, 8]]],
+        "input_dtypes": [["float32", "float32"], ["float32"]], "input_strides": [[[8, 1], [2, 1]], [[8, 1]]],
+        "concrete_inputs": [["", ""], [""]], "input_types": [["float", "float"], ["float"]],
+        "n_kernels": [0, 0], "op_id": [0, 1], "parent_id": [-1, -1], "device_time (us)": [30.0, 10.0], "step": [0, 0],
+    })
+    a = costmodel.annotate(ops)
+    assert a["cost_known"].tolist() == [True, False]
+    assert a["estimated bytes"].isna().tolist() == [True, False]
+    assert a["estimated bytes"].iloc[1] == 2 * 4 * 8 * F4
+    assert analysis.coverage(a) == pytest.approx(0.75)
+    assert analysis.estimated_share(a) == pytest.approx(0.25)
+    u = analysis.uncosted(a, n_steps=1)
+    assert u["op"].tolist() == ["aten::some_op_kprof_has_no_formula_for"]
+    assert u["estimated GB/step"].iloc[0] == pytest.approx(2 * 4 * 8 * F4 / 1e9)
