@@ -16,7 +16,6 @@ RULES: list[Rule] = [
     linear_gelu.RULE,
     fx_inline.RULE,  # after the module rules: only code no module swap reaches
     attention.RULE,
-    attention.CODE_RULE,
     rope.RULE,
     linear_cross_entropy.RULE,
 ]

@@ -129,11 +129,18 @@ class Rule:
     # find their own targets: `find(model)` -> [(path, namespace, attr, params)].
     find: Callable[[nn.Module], list[tuple[str, Any, str, dict]]] | None = None
     replace_fn: Callable[[Callable, dict], Callable] | None = None
+    # Traced rules (rules/fx_inline.py) match on the graph of a module's own forward, traced at
+    # its first real call: `sites(traced, module)` -> ([Site], [reason a site was declined]).
+    # `hints`: op names one of which the forward's source must mention to be traced at all (a
+    # cheap filter on the code's operations, not on names the user chose).
+    sites: Callable[[Any, nn.Module], tuple[list, list[str]]] | None = None
+    hints: tuple[str, ...] = ()
     source: str = "builtin"  # or the file a user rule came from
 
     @property
     def applyable(self) -> bool:
-        return (self.replace is not None or self.replace_fn is not None) and self.kernels_available
+        live = self.replace is not None or self.replace_fn is not None or self.sites is not None
+        return live and self.kernels_available
 
     @property
     def kernels_available(self) -> bool:
@@ -158,6 +165,11 @@ class Match:
     def is_module(self) -> bool:
         return isinstance(self.target, nn.Module)
 
+    @property
+    def deferred(self) -> bool:
+        """Matched at the first real call, on the traced graph (params["traced"]: the rules)."""
+        return "traced" in self.params
+
 
 # ---------------------------------------------------------------------------------------------
 # Finding matches
@@ -177,12 +189,41 @@ def source_of(obj: Any) -> str:
     return f"{file}:{line}"
 
 
+def forward_source(m: nn.Module) -> str:
+    try:
+        return inspect.getsource(type(m).forward)
+    except (OSError, TypeError):
+        return ""
+
+
 def find_matches(model: nn.Module, rules: Sequence[Rule]) -> list[Match]:
-    """Plan: every (rule, target) that fits, in rule order, at most one rule per overridden object."""
+    """Plan: every (rule, target) that fits, in rule order, at most one rule per overridden object.
+
+    Traced rules plan a candidate per module whose forward mentions one of their ops; all the
+    traced rules that want one module share one Match (one rewrite of that forward), resolved
+    at its first call."""
     claimed: set[tuple[int, str]] = set()
     out: list[Match] = []
+    traced: dict[int, Match] = {}
     for rule in rules:
         if not rule.applyable:
+            continue
+        if rule.sites is not None:
+            for path, mod in model.named_modules():
+                if id(mod) in traced:
+                    if rule not in traced[id(mod)].params["traced"]:
+                        traced[id(mod)].params["traced"].append(rule)
+                    continue
+                if (id(mod), "forward") in claimed or "forward" in mod.__dict__:
+                    continue
+                if type(mod).__module__.startswith("torch.nn.") and not any(True for _ in mod.children()):
+                    continue  # torch's own leaf modules: their forward is one aten call
+                src = forward_source(mod)
+                if not any(h in src for h in rule.hints):
+                    continue
+                claimed.add((id(mod), "forward"))
+                traced[id(mod)] = Match(rule, path, mod, {"traced": [rule]}, source=source_of(mod))
+                out.append(traced[id(mod)])
             continue
         if rule.find is not None:
             for path, ns, attr, params in rule.find(model):
@@ -199,7 +240,7 @@ def find_matches(model: nn.Module, rules: Sequence[Rule]) -> list[Match]:
             if params is None:
                 continue
             children = dict(mod.named_modules())
-            keys = set()
+            keys = {(id(mod), "forward")}  # the entry: its first call is where the patch verifies
             for rel in rule.replace(mod, params):
                 keys.add((id(children[rel]), "forward"))
             if keys & claimed:

@@ -65,7 +65,7 @@ def match(path: str, m: nn.Module) -> dict | None:
         return None
     kids = dict(m.named_children())
     acts = [n for n, c in kids.items() if not any(True for _ in c.parameters()) and not any(True for _ in c.children())
-            and "gelu" in type(c).__name__.lower() + str(getattr(c, "approximate", ""))]
+            and _is_gelu(c, *param_like(m))]
     if not acts:
         return None
     affine = {n: k for n, c in kids.items() if (k := _affine_kind(c)) is not None}
@@ -88,6 +88,13 @@ def match(path: str, m: nn.Module) -> dict | None:
         if best is not None:
             return {"linear": lin_name, "kind": kind, "act": best[0], "approximate": best[1]}
     return None
+
+
+def _is_gelu(c: nn.Module, device, dtype) -> bool:
+    """A parameter-free leaf whose forward is GELU (erf or tanh) on a probe: by what it computes,
+    not by its class name (GPT-2's NewGELUActivation, nn.GELU, a user's own)."""
+    x = probe_input((2, 16), device, dtype, seed=4) * 3  # spread over GELU's curved part
+    return any(behaves_like(lambda: c(x), lambda a=a: F.gelu(x, approximate=a), dtype) for a in ("tanh", "none"))
 
 
 class _overridden:

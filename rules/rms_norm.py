@@ -4,7 +4,9 @@ Recognised by behaviour: a leaf module with one 1-D `weight` and an eps attribut
 on a small random input, equals `rms_norm_reference` with offset 0 (Llama, Qwen2, Mistral, T5, a
 user's own: y = w * x / rms(x)) or offset 1 (Gemma: y = (1 + w) * x / rms(x)). Eager RMSNorm in
 HF code is ~6 kernels forward (to fp32, pow, mean, add+rsqrt, mul, cast, mul by w), each a full
-pass over (B*T, H); the fused kernel reads x once and writes y once.
+pass over (B*T, H); the fused kernel reads x once and writes y once. `torch.nn.RMSNorm` with
+eps=None (the machine epsilon of the input's dtype) is matched too; the epsilon is then taken
+per call from the input's dtype, as torch does.
 """
 
 from __future__ import annotations
@@ -30,16 +32,19 @@ def match(path: str, m: nn.Module) -> dict | None:
         return None  # affine norms with a bias are LayerNorm's rule
     eps = eps_of(m)
     ref = reference_fn(KERNEL)
-    if eps is None or ref is None:
+    # nn.RMSNorm(eps=None) uses the machine epsilon of the input's dtype, decided per call
+    by_dtype = eps is None and "eps" in vars(m) and m.eps is None
+    if (eps is None and not by_dtype) or ref is None:
         return None
     device, dtype = param_like(m)
     x = probe_input((2, 3, w.shape[0]), device, dtype)
-    cands = {(offset, casting): (lambda o=offset, c=casting: ref(x, w, eps, offset=o, casting=c))
+    e = torch.finfo(dtype).eps if by_dtype else eps
+    cands = {(offset, casting): (lambda o=offset, c=casting: ref(x, w, e, offset=o, casting=c))
              for offset, casting in _VARIANTS}
     best = closest(lambda: m.forward(x), cands, dtype)
     if best is None:
         return None
-    return {"eps": eps, "offset": best[0], "casting": best[1]}
+    return {"eps": None if by_dtype else eps, "offset": best[0], "casting": best[1]}
 
 
 def replace(m: nn.Module, p: dict) -> dict:
@@ -49,7 +54,8 @@ def replace(m: nn.Module, p: dict) -> dict:
     eps, offset, casting = p["eps"], p["offset"], p["casting"]
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return fused(x, m.weight, eps, offset=offset, casting=casting)  # m.weight: the original Parameter
+        e = torch.finfo(x.dtype).eps if eps is None else eps
+        return fused(x, m.weight, e, offset=offset, casting=casting)  # m.weight: the original Parameter
 
     return {"": forward}
 

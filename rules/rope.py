@@ -3,15 +3,16 @@
 Eager rotates q and k with ~10 elementwise kernels (two muls, rotate_half's slice/neg/cat, add,
 per tensor); the fused kernel reads q, k, cos, sin once and writes q', k' once.
 
-It is a function, not a module, so the patch replaces the name `apply_rotary_pos_emb` in the
-Python module of the model's attention class (the namespace the attention's forward looks it up
-in). Found by behaviour: a function of that name in a module that defines one of the model's
-classes, equal to `apply_rope_reference` on a probe. Unpatching restores the original function.
+It is a function, not a module, so the patch replaces the function's name in the Python module of
+the model's attention class (the namespace the attention's forward looks it up in). Found by
+behaviour, whatever it is called: a plain function of a module that defines one of the model's
+classes, taking (q, k, cos, sin, ...), equal to `apply_rope_reference` on a probe. Unpatching restores the original function.
 This affects every model of that class in the process while patched (the namespace is shared).
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import torch
@@ -20,7 +21,6 @@ import torch.nn as nn
 from kprof.rules.engine import ProfilePattern, Rule, behaves_like, kernel_fn, param_like, reference_fn
 
 KERNEL = "rope:apply_rope"
-NAME = "apply_rotary_pos_emb"
 
 
 def find(model: nn.Module) -> list[tuple[str, object, str, dict]]:
@@ -29,21 +29,48 @@ def find(model: nn.Module) -> list[tuple[str, object, str, dict]]:
         return []
     device, dtype = param_like(model)
     seen, out = set(), []
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(1, h, 5, 8, generator=g).to(device, dtype) for h in (4, 2))  # GQA: 4 q, 2 kv heads
+    ang = torch.randn(1, 5, 4, generator=g)
+    cos, sin = (torch.cat([t, t], -1).to(device, dtype) for t in (ang.cos(), ang.sin()))  # (1, T, D)
     for path, m in model.named_modules():
         ns = sys.modules.get(type(m).__module__)
-        fn = getattr(ns, NAME, None)
-        if ns is None or id(ns) in seen or not callable(fn):
+        if ns is None or id(ns) in seen or ns.__name__.startswith("torch."):
             continue
         seen.add(id(ns))
-        g = torch.Generator().manual_seed(3)
-        q, k = (torch.randn(1, h, 5, 8, generator=g).to(device, dtype) for h in (4, 2))  # GQA: 4 q, 2 kv heads
-        ang = torch.randn(1, 5, 4, generator=g)
-        cos, sin = (torch.cat([t, t], -1).to(device, dtype) for t in (ang.cos(), ang.sin()))  # (1, T, D)
-        if behaves_like(lambda: torch.cat([t.flatten() for t in fn(q, k, cos, sin)]),
-                        lambda: torch.cat([t.flatten() for t in ref(q, k, cos, sin)]), dtype):
-            users = sorted({type(c).__name__ for c in model.modules() if type(c).__module__ == ns.__name__})
-            out.append((f"{ns.__name__}.{NAME}", ns, NAME, {"classes": users}))
+        for attr, fn in list(vars(ns).items()):
+            if not _candidate(fn, ns):
+                continue
+            if _partial(fn, q, k, cos, sin):
+                continue  # rotates only part of the head dim (GPT-NeoX, Phi-2): the kernel rotates all
+            if behaves_like(lambda fn=fn: torch.cat([t.flatten() for t in fn(q, k, cos, sin)]),
+                            lambda: torch.cat([t.flatten() for t in ref(q, k, cos, sin)]), dtype):
+                users = sorted({type(c).__name__ for c in model.modules() if type(c).__module__ == ns.__name__})
+                out.append((f"{ns.__name__}.{attr}", ns, attr, {"classes": users}))
     return out
+
+
+def _partial(fn, q, k, cos, sin) -> bool:
+    """fn accepts cos/sin narrower than the head dim: a partial rotary embedding."""
+    try:
+        with torch.no_grad():
+            fn(q, k, cos[..., :4], sin[..., :4])
+    except Exception:  # noqa: BLE001  a full-rotation function can't broadcast a narrower cos
+        return False
+    return True
+
+
+def _candidate(fn, ns) -> bool:
+    """A plain function defined in `ns` that takes (q, k, cos, sin, ...) positionally."""
+    if not inspect.isfunction(fn) or fn.__module__ != ns.__name__:
+        return False
+    try:
+        ps = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    pos = [p for p in ps if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in pos if p.default is p.empty]
+    return len(pos) >= 4 and len(required) <= 4
 
 
 def replace_fn(original, params: dict):

@@ -13,6 +13,8 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
+from kprof.analyze.tables import step_basis
+
 MATMUL_OPS = ("mm", "addmm", "bmm", "matmul", "linear", "baddbmm")
 
 SKIP_MODULES = ("<unattributed>", "<optimizer>")
@@ -133,30 +135,46 @@ def script_sources(script: str | None, hint: str | None = None) -> dict[str, str
         out[cls.name] = f"{script}:{line}"
     return out
 
-def gpu_busy(summary: dict) -> dict | None:
-    """The GPU's busy share of the step on a GPU run: median busy time over the recorded steps
-    against the unprofiled step time (or the profiled window, if shorter); summary["busy_pct"]
-    when the runner timed no unprofiled steps. None on CPU runs and without the evidence."""
-    if not is_gpu_run(summary):
-        return None  # a CPU's "busy" is op time on the host: nothing idles while the host launches
+def busy_share(summary: dict) -> dict | None:
+    """The busy share of the step on tables.step_basis (the unprofiled step), for any run:
+    {"busy %", "busy ms/step", "step ms", "idle ms/step", "basis"}; summary["busy_pct"] for a
+    run without idle_by_step rows (older runs). None without the evidence."""
     rows = summary.get("idle_by_step") or []
-    busy_us, window_us = median_of(rows, "busy (us)"), median_of(rows, "window (us)")
-    plain_ms = float((summary.get("step_time_ms") or {}).get("median") or math.nan)
-    # The profiler adds host time to every op, so the profiled window understates the busy share
-    # (9% against 23% unprofiled on the tiny GPT above); the kernels take the same time either way.
-    if math.isfinite(busy_us) and math.isfinite(plain_ms) and plain_ms > 0:
-        step_us = min(window_us, plain_ms * 1e3) if math.isfinite(window_us) and window_us > 0 else plain_ms * 1e3
-        return {"busy %": min(busy_us / step_us * 100, 100.0), "busy ms/step": busy_us / 1e3,
-                "step ms": step_us / 1e3, "basis": "unprofiled step time"}
+    plain_ms = (summary.get("step_time_ms") or {}).get("median")
+    b = step_basis(median_of(rows, "busy (us)"), median_of(rows, "window (us)"), plain_ms)
+    if math.isfinite(b["busy %"]) and b["basis"] == "unprofiled step":
+        return {"busy %": b["busy %"], "busy ms/step": b["busy (us)"] / 1e3, "step ms": b["step (us)"] / 1e3,
+                "idle ms/step": b["idle (us)"] / 1e3, "basis": "unprofiled step time"}
+    if summary.get("busy_pct") is None:  # no unprofiled steps: the profiled window
+        if not math.isfinite(b["busy %"]):
+            return None
+        return {"busy %": b["busy %"], "busy ms/step": b["busy (us)"] / 1e3, "step ms": b["step (us)"] / 1e3,
+                "idle ms/step": b["idle (us)"] / 1e3, "basis": "profiled steps"}
+    window_us = median_of(rows, "window (us)")
     if not (math.isfinite(window_us) and window_us > 0):
         window_us = float((summary.get("profiled_step_time_ms") or {}).get("median") or math.nan) * 1e3
-    pct = (float(summary["busy_pct"]) if summary.get("busy_pct") is not None
-           else busy_us / window_us * 100 if window_us > 0 else math.nan)
-    if not math.isfinite(pct):
-        return None
-    if not math.isfinite(busy_us):
-        busy_us = pct / 100 * window_us
-    return {"busy %": pct, "busy ms/step": busy_us / 1e3, "step ms": window_us / 1e3, "basis": "profiled steps"}
+    pct = float(summary["busy_pct"])
+    busy_us = b["busy (us)"] if math.isfinite(b["busy (us)"]) else pct / 100 * window_us
+    return {"busy %": pct, "busy ms/step": busy_us / 1e3, "step ms": window_us / 1e3,
+            "idle ms/step": max(window_us - busy_us, 0.0) / 1e3, "basis": "profiled steps"}
+
+
+def gpu_busy(summary: dict) -> dict | None:
+    """busy_share on a GPU run: the GPU's busy time against the unprofiled step. None on CPU
+    runs and without the evidence."""
+    if not is_gpu_run(summary):
+        return None  # a CPU's "busy" is op time on the host: nothing idles while the host launches
+    return busy_share(summary)
+
+
+def step_ms(summary: dict) -> float:
+    """The step every "% of step" and saving figure divides by: the unprofiled step's median
+    (tables.step_basis), the profiled one for a run that timed no unprofiled steps."""
+    b = busy_share(summary)
+    if b is not None and math.isfinite(b["step ms"]):
+        return float(b["step ms"])
+    return float((summary.get("step_time_ms") or {}).get("median")
+                 or (summary.get("profiled_step_time_ms") or {}).get("median") or math.nan)
 
 def host_bound(summary: dict) -> dict | None:
     """gpu_busy(summary) with the caveat for kernel rows when the GPU is busy less than

@@ -119,12 +119,17 @@ def analyse(raw) -> tuple[pd.DataFrame, dict]:
     ops = analysis.roofline(ops, ceil, tf32=False)
     n = raw.steps_recorded
     idle = analysis.idle_by_step(trace.kernel_table(events), trace.step_windows(events))
+    # Every % of step, busy and idle figure is on the unprofiled step (tables.step_basis).
+    plain_ms = analysis.step_stats(raw.step_times_ms)["median"] if raw.step_times_ms else None
     out = {
         "ceilings": ceil,
         "idle": idle,
-        "class_breakdown": analysis.class_breakdown(ops, idle, n),
-        "top_ops": analysis.top_ops(ops, n, TOP_K, ceilings=ceil, idle=idle),
+        "basis": analysis.idle_basis(idle, plain_ms),
+        "class_breakdown": analysis.class_breakdown(ops, idle, n, plain_ms),
+        "top_ops": analysis.top_ops(ops, n, TOP_K, ceilings=ceil, idle=idle, plain_ms=plain_ms),
         "coverage": analysis.coverage(ops),
+        "estimated": analysis.estimated_share(ops),
+        "uncosted": analysis.uncosted(ops, n),
         "step_time_ms": _stats(analysis, raw.step_times_ms),
         "profiled_step_time_ms": _stats(analysis, raw.profiled_step_times_ms),
         "overhead": analysis.overhead(raw.profiled_step_times_ms, raw.step_times_ms),
@@ -150,11 +155,12 @@ def build_summary(raw, a: dict | None) -> dict[str, Any]:
     if raw.tokens_per_step and st and st.get("median"):
         tokens_per_s = raw.tokens_per_step / (st["median"] / 1e3)
     idle = a["idle"]
-    # Busy share of the recorded steps' windows: on a GPU the time some kernel ran, on a CPU the
-    # time some op ran.
-    busy = None
-    if idle is not None and len(idle) and idle["window (us)"].sum() > 0:
-        busy = 100.0 * float(idle["busy (us)"].sum()) / float(idle["window (us)"].sum())
+    # Busy share of the unprofiled step (tables.step_basis): on a GPU the time some kernel ran,
+    # on a CPU the time some op ran, measured in the recorded steps.
+    basis = a.get("basis") or {}
+    busy = basis.get("busy %")
+    busy = None if busy is None or busy != busy else busy
+    overhead_pct = None if a["overhead"] is None else 100.0 * a["overhead"]
     return {
         "format": store.FORMAT,
         "kprof_version": __version__,
@@ -181,21 +187,43 @@ def build_summary(raw, a: dict | None) -> dict[str, Any]:
         "profiled_step_times_ms": list(raw.profiled_step_times_ms),
         "step_time_ms": st,
         "profiled_step_time_ms": a["profiled_step_time_ms"],
-        "profiler_overhead_pct": None if a["overhead"] is None else 100.0 * a["overhead"],
+        "profiler_overhead_pct": overhead_pct,
+        "figure_basis": _figure_basis(basis, overhead_pct, raw),
         "tokens_per_step": raw.tokens_per_step,
         "tokens_per_s": tokens_per_s,
         "peak_memory_bytes": raw.peak_memory_bytes,
         "peak_memory_kind": raw.peak_memory_label or "",
         "busy_pct": busy,
         "coverage_pct": None if a["coverage"] is None else 100.0 * a["coverage"],
+        "estimated_pct": None if a.get("estimated") is None else 100.0 * a["estimated"],
+        "uncosted_ops": _records(a.get("uncosted")),
         "class_breakdown": _records(a["class_breakdown"]),
         "top_ops": _records(a["top_ops"]),
         "idle_by_step": _records(idle),
         "input_wait_by_step": _records(a.get("input_wait")),
         "syncs": list(raw.syncs),
+        "sync_steps": getattr(raw, "sync_steps", 0),  # steps the sync detector watched
         "losses": list(raw.losses),
         "module_classes": dict(raw.module_classes),
         "wall_time_s": raw.wall_time_s,
+    }
+
+
+def _figure_basis(basis: dict, overhead_pct: float | None, raw) -> dict:
+    """The one statement of what the figures are measured on (summary["figure_basis"])."""
+    step_us = basis.get("step (us)")
+    shapes = getattr(raw, "shapes_recorded", "shapes step")
+    slower = f"{overhead_pct:+.0f}%" if overhead_pct is not None else "an unknown amount"
+    return {
+        "step": basis.get("basis") or "none",
+        "step ms": None if step_us is None or step_us != step_us else step_us / 1e3,
+        "op times": "profiled steps",
+        "shapes": shapes,
+        "note": (f"% of step, busy, idle and savings are of the {basis.get('basis') or 'unknown'} (median); "
+                 f"per-op times come from the profiled steps, which ran {slower} vs unprofiled "
+                 f"(device kernels take the same time; host-side times include the profiler's). "
+                 + ("Op shapes come from the profiler warm-up step." if shapes == "shapes step"
+                    else "Op shapes were recorded on every step.")),
     }
 
 

@@ -439,17 +439,13 @@ def _parse_module(name: str) -> tuple[str, str]:
     return path, cls
 
 
-def _norm_types(types, dims, shape_dtype: dict, list_dtypes=None) -> list:
+def _norm_types(types, dims, shape_dtype: dict) -> list:
     """Trace element types -> torch dtype names for tensors; lists of them for TensorLists
-    (whose element dtype the trace does not record: the runner's `kprof list dtypes` for lists it
-    filled in, else inferred from `shape_dtype`)."""
+    (whose element dtype the trace does not record: inferred from `shape_dtype`)."""
     out = []
     for i, t in enumerate(types or []):
-        given = list_dtypes[i] if list_dtypes and i < len(list_dtypes) else None
         if t in TRACE_DTYPES:
             out.append(TRACE_DTYPES[t])
-        elif t == "TensorList" and isinstance(given, list):
-            out.append(list(given))
         elif t == "TensorList":
             shapes = dims[i] if dims and i < len(dims) and isinstance(dims[i], list) else []
             out.append([shape_dtype.get(tuple(s), "float32") for s in shapes])
@@ -578,7 +574,7 @@ def _fill_truncated_optimizer_lists(rows: pd.DataFrame, events: TraceEvents) -> 
         rows.at[i, "input_strides"] = strides
 
 
-_SHAPE_ARGS = ("Input Dims", "Input type", "Input Strides", "Concrete Inputs", "kprof list dtypes")
+_SHAPE_ARGS = ("Input Dims", "Input type", "Input Strides", "Concrete Inputs")
 
 
 def _shapes_from_shapes_step(host: pd.DataFrame, steps: pd.DataFrame, names: np.ndarray, owner: np.ndarray,
@@ -678,8 +674,7 @@ def op_table(events: TraceEvents) -> pd.DataFrame:
     types = [a.get("Input type") or [] for a in a_rows]
     rows["input_shapes"] = dims
     rows["input_types"] = types
-    rows["input_dtypes"] = [_norm_types(t, d, shape_dtype, a.get("kprof list dtypes"))
-                            for t, d, a in zip(types, dims, a_rows)]
+    rows["input_dtypes"] = [_norm_types(t, d, shape_dtype) for t, d in zip(types, dims)]
     rows["input_strides"] = [a.get("Input Strides") or [] for a in a_rows]
     rows["concrete_inputs"] = [a.get("Concrete Inputs") or [] for a in a_rows]
     _fill_truncated_optimizer_lists(rows, events)

@@ -39,6 +39,7 @@ Everything kprof installs is removed when the script ends, however it ends.
 from __future__ import annotations
 
 import collections
+import gc
 import importlib.metadata
 import json
 import os
@@ -998,6 +999,12 @@ class _Session:
             self.shapes_trace = path
         except Exception as e:
             self.warnings.append(f"could not export the shapes step's trace: {e!r}; ops have no shapes")
+        # Free this profiler's results now, before the next profiler starts: left to the garbage
+        # collector (the profile object sits in a reference cycle), they were freed during or
+        # after the next session and crashed the process (torch 2.13 on this CPU, most runs of
+        # test_script_too_short_returns_what_was_recorded). Outside any timed step.
+        del prof
+        gc.collect()
 
     def _start_timing_profiler(self) -> None:
         """End the shapes step, start the profiler that times the recorded steps: no shapes
@@ -1268,35 +1275,33 @@ def _rename_partial_step(path: str, index: int) -> None:
 
 
 def _full_tensorlists(prof: Any, warnings_: list[str]) -> dict:
-    """{(op name, start in us): {"Input Dims", "Input Strides", "kprof list dtypes"}} for every op
-    of a stopped profiler with a TensorList argument longer than TRACE_TENSORLIST_LIMIT, read from
-    the profiler's own events, which keep the whole list (its chrome trace writes `[]` for it:
-    the H200 Llama runs' foreach AdamW ops showed "[0 tensors]"). Keyed for the trace export,
-    whose `ts` is (start ns - baseTimeNanoseconds) / 1000 (checked on torch 2.13)."""
+    """{(op name, start in us): {"dims", "strides"}} for every op of a stopped profiler with a
+    TensorList argument longer than TRACE_TENSORLIST_LIMIT, read from the profiler's own events,
+    which keep the whole list (its chrome trace writes `[]` for it: the H200 Llama runs' foreach
+    AdamW ops showed "[0 tensors]"). Keyed for the trace export, whose `ts` is (start ns -
+    baseTimeNanoseconds) / 1000 (checked on torch 2.13). The flat event list, not
+    experimental_event_tree(): freeing that tree's parent/child cycles after its profiler
+    crashed the process in the garbage collector (torch 2.13, 1 run in 2 under pytest)."""
     try:
-        roots = prof.profiler.kineto_results.experimental_event_tree()
+        events = prof.profiler.kineto_results.events()
     except Exception as e:  # a private API: its loss costs the long lists their shapes, not the run
         warnings_.append(f"could not read the profiler's events for long tensor lists: {e!r}")
         return {}
     out: dict = {}
-    todo = list(roots)
-    while todo:
-        ev = todo.pop()
-        todo.extend(ev.children)
-        inputs = getattr(ev.extra_fields, "inputs", None)
-        if not inputs or not any(isinstance(x, list) and len(x) > TRACE_TENSORLIST_LIMIT for x in inputs):
+    for ev in events:
+        try:
+            types = ev.dtypes()
+            if "TensorList" not in types:
+                continue
+            dims, strides = ev.structured_input_shapes(), ev.structured_input_strides()
+        except Exception:  # noqa: BLE001 - one odd event keeps its trace record
             continue
-        dims, strides, dtypes = [], [], []
-        for x in inputs:
-            if isinstance(x, list) and all(hasattr(t, "sizes") for t in x):
-                dims.append([list(t.sizes) for t in x])
-                strides.append([list(t.strides) for t in x])
-                dtypes.append([str(t.dtype).removeprefix("torch.") for t in x])
-            else:
-                dims.append(None)
-                strides.append(None)
-                dtypes.append(None)
-        out[(ev.name, ev.start_time_ns // 1000)] = {"dims": dims, "strides": strides, "dtypes": dtypes}
+        long = [i for i, (t, d) in enumerate(zip(types, dims))
+                if t == "TensorList" and isinstance(d, list) and len(d) > TRACE_TENSORLIST_LIMIT]
+        if long:
+            out[(ev.name(), ev.start_ns() // 1000)] = {
+                "dims": [dims[i] if i in long else None for i in range(len(types))],
+                "strides": [strides[i] if i in long and i < len(strides) else None for i in range(len(types))]}
     return out
 
 
@@ -1323,9 +1328,8 @@ def _merge_shapes_step(path: str, shapes_path: str, full_lists: dict) -> None:
             strides += [[] for _ in range(len(dims) - len(strides))]
             for i, d in enumerate(rec["dims"]):
                 if d is not None and i < len(dims):
-                    dims[i], strides[i] = d, rec["strides"][i]
+                    dims[i], strides[i] = d, rec["strides"][i] or []
             args["Input Dims"], args["Input Strides"] = dims, strides
-            args["kprof list dtypes"] = rec["dtypes"]
         added.append(ev | {"ts": float(ev["ts"]) + shift_us, "args": args})
     main["traceEvents"] = list(main.get("traceEvents") or []) + added
     with open(path, "w", encoding="utf-8") as f:

@@ -32,7 +32,7 @@ def _plan_cells(r: dict) -> list:
     or a diagnosis."""
     known = r["saving ms/step"] == r["saving ms/step"]
     src = r.get("source") or ""
-    where = "\n".join(x for x in (r["where"], r.get("module_class") or "", src) if x and x == x)
+    where = "\n".join(dict.fromkeys(x for x in (r["where"], r.get("module_class") or "", src) if x and x == x))
     if r["kind"] == "kernel":
         evidence = (f"{_f(r['ms/step'])} ms/step ({_f(r['% of step'], '{:.1f}')}% of step), "
                     f"{r['class']}, {_f(r['% of roofline'], '{:.0f}')}% of roofline")
@@ -119,12 +119,7 @@ def render_apply(res, out: Console | None = None) -> None:
                   [[Text(r["metric"]), _f(r["before"]), _f(r["after"]), _f(r["change %"], "{:+.1f}")]
                    for r in res.steps.to_dict("records")], w,
                   title=f"before ({res.before.name}) vs after ({res.after.name})"))
-    out.print(fit([Col("id", number=True), Col("where"), Col("predicted", **num), Col("measured", **num),
-                   Col("verified/patched", number=True)],
-                  [[Text(r["id"]), Text(r["where"] or ""), _f(r["predicted saving ms/step"]),
-                    _f(r["measured saving ms/step"]),
-                    f"{r['verified']}/{r['patched']}" + (f" ({r['failed']} reverted)" if r["failed"] else "")]
-                   for r in res.suggestions.to_dict("records")], w, title="per suggestion: saving (ms/step)"))
+    _render_ablation(res, out)
     out.print(fit([Col("step", **num), Col("before", **num), Col("after", **num), Col("rel diff", **num)],
                   [[str(r["step"]), f"{r['before']:.6f}", f"{r['after']:.6f}", f"{r['rel diff']:.2e}"]
                    for r in res.losses.to_dict("records")], w, title="first losses"))
@@ -134,9 +129,42 @@ def render_apply(res, out: Console | None = None) -> None:
         out.print(f"[red]first loss differs beyond the tolerance (rtol {res.loss_tolerance:g}): is the script "
                   "seeded? If it is, report this with both run directories[/red]")
     else:
-        out.print("[yellow]losses not compared (no losses recorded or no patch verified)[/yellow]")
+        out.print("[yellow]losses not compared (no losses recorded or no patch kept)[/yellow]")
     for n in res.notes:
-        out.print(f"[yellow]note:[/yellow] {n}")
+        out.print(f"[yellow]note:[/yellow] {escape(n)}")
+    out.print(f"[bold]recommendation:[/bold] {escape(res.recommendation)}")
+
+
+def _render_ablation(res, out: Console) -> None:
+    """Per planned patch, the ablation's verdict as a stacked record (80 columns): predicted vs
+    measured saving with n and the spread, memory, and the reason; then what was not installed."""
+    a = res.ablation
+    if a is not None:
+        out.print(f"[bold]ablation[/bold]: {a.steps} timed steps, {a.blocks} blocks, {len(a.groups)} group(s); "
+                  "paired sign test, 95% interval")
+    elif res.declined:
+        out.print(f"[yellow]ablation declined:[/yellow] {escape(res.declined)}")
+    style = {"kept": "green", "dropped": "red"}
+    for r in res.suggestions.to_dict("records"):
+        st = style.get(r["verdict"], "yellow")
+        out.print(f"[bold]{escape(r['id'])}[/bold]: [{st}]{r['verdict']}[/{st}]"
+                  + (" (installed in the after run)" if r["kept"] else ""))
+        meas = _f(r["measured_saving_ms"], "{:.3g}")
+        if r["n"]:
+            meas += f" (n={r['n']}, spread ±{_f(r['spread_ms'], '{:.3g}')})"
+        lines = [f"where: {r['where'] or '?'}", f"verified: {r['verified modules']}/{r['modules']} modules",
+                 f"saving ms/step: predicted {_f(r['predicted_saving_ms'], '{:.3g}')}, measured {meas}"]
+        mem = r["memory_saving_bytes"]
+        if mem is not None and mem == mem:
+            lines.append(f"peak memory saved: {mem / 2**20:.0f} MiB")
+        lines.append(f"reason: {r['reason']}")
+        for ln in lines:
+            out.print(Text("  " + ln))
+    for n in res.not_installed:
+        out.print(f"[yellow]not installed:[/yellow] {escape(n['id'])}: {escape(n['why'])}")
+    if res.batch_headroom:
+        out.print(f"memory: the kept set fits a {res.batch_headroom:.2f}x batch in the same peak (basis: "
+                  "activations scale with the batch; weights, gradients and optimizer state don't)")
 
 
 def _ms(x) -> str:
@@ -279,19 +307,25 @@ def apply_cmd(
                                                         "max-autotune-no-cudagraphs).")] = None,
     warmup: Annotated[Optional[int], typer.Option("--warmup", help="With --compare: untimed steps per variant "
                                                   "(default: the planned run's; at least 3 with compile).")] = None,
-    steps: Annotated[Optional[int], typer.Option("--steps", help="With --compare: timed (and recorded) steps per "
-                                                 "variant (default: the planned run's).")] = None,
+    steps: Annotated[Optional[int], typer.Option("--steps", help="The most timed steps apply's ablation may take "
+                                                 "(default: 11 blocks of every configuration); with --compare: "
+                                                 "timed (and recorded) steps per variant (default: the planned "
+                                                 "run's).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result (before/after, or with --compare the "
                                            "comparison) as one JSON document; the script's output goes to "
                                            "stderr.")] = False,
+    prefer: Annotated[str, typer.Option("--prefer", help="'time': keep the patches that make the step faster; "
+                                        "'memory': also those that cost time but save peak memory.")] = "time",
+    keep_losers: Annotated[bool, typer.Option("--keep-losers", help="Install (and --write) every verified patch, "
+                                              "also those the ablation dropped.")] = False,
 ) -> None:
-    """Re-run SCRIPT with the planned patches, verified on first use, and compare before/after;
-    with --compare, against torch.compile too."""
+    """Time each planned patch on and off in SCRIPT's own steps, keep only those that make the step
+    faster, and compare before/after; with --compare, against torch.compile too."""
     from kprof.errors import KprofError
 
     if not compare:
-        given = [o for o, v in (("--variants", variants), ("--compile-mode", compile_mode), ("--warmup", warmup),
-                                ("--steps", steps)) if v is not None]
+        given = [o for o, v in (("--variants", variants), ("--compile-mode", compile_mode), ("--warmup", warmup))
+                 if v is not None]
         if given:
             raise KprofError(f"{', '.join(given)} only go{'es' if len(given) == 1 else ''} with --compare "
                              f"(kprof apply SCRIPT --compare {' '.join(given)} ...)", exit_code=2)
@@ -299,6 +333,9 @@ def apply_cmd(
         if write is not None:
             raise KprofError("--write goes with a plain `kprof apply --patch ...` run, not --compare; run that once "
                              "the comparison says the patches are worth keeping", exit_code=2)
+        if keep_losers or prefer != "time":
+            raise KprofError("--keep-losers and --prefer go with a plain `kprof apply` run, not --compare",
+                             exit_code=2)
         from kprof.patching.compare import compare as run_compare
 
         with stdout_to_stderr(json_out):
@@ -318,16 +355,18 @@ def apply_cmd(
 
     with stdout_to_stderr(json_out):
         res = apply(str(script), list(ctx.args), patch=patch, run=run, strict=strict,
-                    rules_dir=str(rules) if rules else None, out_root=out)
+                    rules_dir=str(rules) if rules else None, out_root=out, steps=steps, prefer=prefer,
+                    keep_losers=keep_losers)
     if json_out:
-        # apply.json as saved in the after run (kprof.patching.apply), and where it is
-        saved = Path(res.after.path) / store.APPLY
-        print(json.dumps({"after": res.after.name, "apply": str(saved), "loss_tolerance": res.loss_tolerance,
-                          "write_lines": res.write_lines} | json.loads(saved.read_text()), indent=1,
-                         allow_nan=False))
+        # apply.json's document (ApplyResult.to_dict), where it is saved, and the --write lines
+        print(json.dumps(res.to_dict() | {"apply": str(Path(res.after.path) / store.APPLY),
+                                          "write_lines": res.write_lines}, indent=1, allow_nan=False))
     else:
         render_apply(res)
-    if write is not None:
+    if write is not None and not res.kept:
+        (err_console if json_out else console).print(
+            f"--write: no patch was kept, so nothing was written to {write} (--keep-losers writes them all)")
+    elif write is not None:
         if str(write) == "-":
             print(res.write_lines, end="")
         else:

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable, Sequence
 from rich import box
 from rich.cells import cell_len
 from rich.console import Console, Group, RenderableType
+from rich.padding import Padding
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -87,14 +88,15 @@ def _first(row: dict, names: Sequence[str]) -> Any:
 
 @dataclass(frozen=True)
 class Col:
-    """A column of `fit`. `number` cells are never wrapped (the column is as wide as its widest
-    cell; its header may wrap); the others wrap at spaces, and get at least `min_width`. Columns with drop > 0 are left out, highest first, when the table does not
+    """A column of `fit`. `number` cells and their header are never wrapped (the column is as wide
+    as its widest cell); the others wrap at spaces, and get at least `min_width`. Columns with drop > 0 are left out, highest first, when the table does not
     fit."""
     name: str
     justify: str = "left"
     number: bool = False
     drop: int = 0
     min_width: int = 0
+    unit: str | None = None  # after a number in a one-line record (`stacked(inline=True)`); None: name
 
 
 def as_text(cell: Any) -> Text:
@@ -123,14 +125,23 @@ def column_widths(cols: Sequence[Col], rows: Sequence[Sequence[Text]], width: in
         head = Text(c.name)
         cells = [r[i] for r in rows]
         longest = max([_longest_line(t) for t in cells] or [0])
-        lo.append(max([c.min_width, _longest_word(head)]
+        lo.append(max([c.min_width, _longest_line(head) if c.number else _longest_word(head)]
                       + [longest if c.number else _longest_word(t) for t in cells]))
         hi.append(max([_longest_line(head), longest, lo[-1]]))
+    def fits(keep: list[int]) -> bool:
+        return sum(lo[j] for j in keep) + overhead(len(keep)) <= width
+
     keep = list(range(len(cols)))
+    dropped = []
     for i in sorted((i for i, c in enumerate(cols) if c.drop > 0), key=lambda i: -cols[i].drop):
-        if sum(lo[j] for j in keep) + overhead(len(keep)) <= width:
+        if fits(keep):
             break
         keep.remove(i)
+        dropped.append(i)
+    # Then take back, most valuable first, any dropped column that fits in what the later drops freed.
+    for i in reversed(dropped[:-1]):
+        if fits(sorted(keep + [i])):
+            keep = sorted(keep + [i])
     spare = width - overhead(len(keep)) - sum(lo[j] for j in keep)
     if spare < 0:
         return None
@@ -169,13 +180,21 @@ def _boxed() -> Table:
 _boxed_overhead = _overhead(_boxed)
 
 
-def stacked(cols: Sequence[Col], rows: Sequence[Sequence[Text]], head: Sequence[int] = (0,)) -> Group:
+def stacked(cols: Sequence[Col], rows: Sequence[Sequence[Text]], head: Sequence[int] = (0,),
+            inline: bool = False) -> Group:
     """One block per row: the `head` cells on a bold title line, then "key: value" lines, values
-    wrapped at spaces under their own indent (a word longer than the terminal still folds)."""
+    wrapped at spaces under their own indent (a word longer than the terminal still folds).
+    inline: the cells on one wrapped line instead, "value key" for numbers ("46.0 ms/step")."""
     blocks: list[RenderableType] = []
     for r in rows:
         title = Text("  ").join(r[i] for i in head if r[i].plain)
         title.stylize("bold")
+        if inline:
+            cells = [Text.assemble(r[i], " ", (c.name if c.unit is None else c.unit, "dim"))
+                     if c.number and c.unit != "" else r[i]
+                     for i, c in enumerate(cols) if i not in head and r[i].plain.strip()]
+            blocks += [title, Padding(Text(", ").join(cells), (0, 0, 0, 4))]
+            continue
         g = Table.grid(padding=(0, 1))
         g.add_column(no_wrap=True, style="dim")
         g.add_column(overflow="fold")
@@ -183,7 +202,7 @@ def stacked(cols: Sequence[Col], rows: Sequence[Sequence[Text]], head: Sequence[
             if i not in head and r[i].plain.strip():
                 g.add_row(f"  {c.name}:", r[i])
         blocks += [title, g, Text("")]
-    return Group(*blocks[:-1])
+    return Group(*(blocks if inline else blocks[:-1]))
 
 
 def fit(cols: Sequence[Col], rows: Sequence[Sequence[Any]], width: int, title: str | Text | None = None,
@@ -316,14 +335,14 @@ def class_table(summary: dict) -> Table | None:
     return t
 
 
-# (header, candidate keys in a top-ops record, formatter, drop priority: see Col)
-TOP_COLUMNS: list[tuple[str, list[str], Callable[[Any], str], int]] = [
-    ("ms/step", ["ms/step", "time/step (ms)", "time (ms/step)"], fmt_ms, 0),
-    ("% step", ["% of step"], fmt_pct, 0),
-    ("TFLOP/s", ["TFLOP/s"], fmt_sig, 3),
-    ("GB/s", ["GB/s"], fmt_sig, 2),
-    ("FLOP/B", ["intensity (FLOP/B)"], fmt_sig, 4),
-    ("% roof", ["% of roofline"], fmt_pct, 0),
+# (header, candidate keys in a top-ops record, formatter, drop priority and unit: see Col)
+TOP_COLUMNS: list[tuple[str, list[str], Callable[[Any], str], int, str | None]] = [
+    ("ms/step", ["ms/step", "time/step (ms)", "time (ms/step)"], fmt_ms, 0, None),
+    ("% step", ["% of step"], fmt_pct, 0, "of step"),
+    ("TFLOP/s", ["TFLOP/s"], fmt_sig, 3, None),
+    ("GB/s", ["GB/s"], fmt_sig, 2, None),
+    ("FLOP/B", ["intensity (FLOP/B)"], fmt_sig, 4, None),
+    ("% roof", ["% of roofline"], fmt_pct, 0, "of roofline"),
 ]
 
 
@@ -341,12 +360,13 @@ def top_ops_table(summary: dict, width: int = 120) -> Group | None:
     # A shapes cell wraps between tensors, not inside one: "[1024, 128]," is its narrowest.
     one_shape = max([len(m) for r in rows for m in re.findall(r"\[[^\]]*\],?", str(r.get("shapes", "")))] or [0])
     cols = [Col("op", number=True), Col("shapes", drop=1, min_width=one_shape), Col("dtype", number=True, drop=5),
-            *[Col(h, justify="right", number=True, drop=d) for h, _, _, d in TOP_COLUMNS], Col("class", number=True)]
+            *[Col(h, justify="right", number=True, drop=d, unit=u) for h, _, _, d, u in TOP_COLUMNS],
+            Col("class", number=True, unit="")]
     cells: dict[str, list[list[Text]]] = {}
     for module, group in groups.items():
         cells[module] = []
         for r in group:
-            nums = [f(v) if (v := _first(r, keys)) is not None else "–" for _, keys, f, _ in TOP_COLUMNS]
+            nums = [f(v) if (v := _first(r, keys)) is not None else "–" for _, keys, f, _, _ in TOP_COLUMNS]
             cls = str(r.get("class", ""))
             cells[module].append([Text(_op_label(r.get("op"))), Text(str(r.get("shapes", ""))),
                                   Text(str(r.get("dtype", ""))), *map(Text, nums), Text(cls, style=CLASS_STYLE.get(cls, ""))])
@@ -360,8 +380,9 @@ def top_ops_table(summary: dict, width: int = 120) -> Group | None:
     fitted = column_widths(cols, [c for g in cells.values() for c in g], width, _overhead(table))
     parts: list[RenderableType] = [title]
     if fitted is None:
+        # One line of title (op, shapes, dtype) and one of numbers per op: the ops stay scannable.
         for module, group in cells.items():
-            parts += [Text(_module_label(module), style="bold"), stacked(cols, group), Text("")]
+            parts += [Text(_module_label(module), style="bold"), stacked(cols, group, head=(0, 1, 2), inline=True)]
         return Group(*parts)
     keep, widths = fitted
 
@@ -408,16 +429,20 @@ def syncs_table(summary: dict, width: int = 120) -> RenderableType:
     return t
 
 
-def files_section(run_path: Path | None, summary: dict) -> Text:
+def files_section(run_path: Path | None, summary: dict) -> RenderableType:
     if run_path is None:
         return Text("not saved (no step was recorded)", style="dim")
     files = summary.get("files") or {}
-    lines = [f"run       {run_path}"]
+    # A grid, so that a path longer than the terminal wraps under itself, not under the labels.
+    g = Table.grid(padding=(0, 1))
+    g.add_column(no_wrap=True)
+    g.add_column(overflow="fold")
+    g.add_row("run", Text(str(run_path)))
     for key, label in (("summary", "summary"), ("ops", "ops"), ("trace", "trace")):
         if files.get(key):
-            extra = "  (open in https://ui.perfetto.dev)" if key == "trace" else ""
-            lines.append(f"{label:<9} {run_path / files[key]}{extra}")
-    return Text("\n".join(lines))
+            extra = " (open in https://ui.perfetto.dev)" if key == "trace" else ""
+            g.add_row(label, Text(f"{run_path / files[key]}{extra}"))
+    return g
 
 
 def render(summary: dict, run_path: Path | None, console: Console) -> None:

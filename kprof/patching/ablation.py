@@ -14,6 +14,8 @@ when their patches interact structurally:
     other's), because the outer replacement decides whether the inner module runs at all. The
     model root (path "", the fused linear + cross-entropy) is exempt: its replacement calls the
     base model as a whole, so every inner patch still runs and can be switched alone;
+  * linked: one traced rewrite (kprof/rules/fx_inline.py) that holds several rules' sites is
+    one switch, so its rules are one group;
   * declared: a rule whose replacement consumes another rule's output in a way that only the
     pair was verified for lists that rule's id in `consumes` (a Rule attribute, or the
     `consumes` argument of `groups_of`).
@@ -104,10 +106,12 @@ def schedule(groups: Sequence[str], blocks: int, seed: int = 0) -> list[Config]:
 
 
 def groups_of(records: Sequence[tuple[str, str, bool]],
-              consumes: Mapping[str, Sequence[str]] | None = None) -> list[tuple[str, ...]]:
+              consumes: Mapping[str, Sequence[str]] | None = None,
+              linked: Sequence[Sequence[str]] = ()) -> list[tuple[str, ...]]:
     """Rule ids merged into groups (see the module docstring). `records`: (rule id, path,
-    is_module) of each installed patch; `consumes`: rule id -> ids whose output it consumes.
-    Groups keep the records' rule order."""
+    is_module) of each installed patch; `consumes`: rule id -> ids whose output it consumes;
+    `linked`: rule ids that one switch moves together (one traced rewrite holding several
+    rules: PatchReport.toggle_sets). Groups keep the records' rule order."""
     order = list(dict.fromkeys(r for r, _, _ in records))
     parent = {r: r for r in order}
 
@@ -127,6 +131,10 @@ def groups_of(records: Sequence[tuple[str, str, bool]],
         for rb, pb in mods[i + 1:]:
             if ra != rb and (pa == pb or pb.startswith(pa + ".") or pa.startswith(pb + ".")):
                 union(ra, rb)
+    for ids in linked:
+        ids = [r for r in ids if r in parent]
+        for r in ids[1:]:
+            union(ids[0], r)
     for r, deps in (consumes or {}).items():
         for d in deps:
             if r in parent and d in parent:

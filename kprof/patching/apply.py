@@ -225,10 +225,13 @@ class _Ablation:
             return True
         from kprof.rules import all_rules
 
-        live = [r for r in self._records() if r.status in ("verified", "installed")]
+        linked = [ids for rep in self.reports for ids in rep.toggle_sets()]
+        switchable = {r for ids in linked for r in ids}
+        # Only what a switch moves is timed (an optimizer patch, say, is not a unit: not switched).
+        live = [r for r in self._records() if r.status in ("verified", "installed") and r.rule in switchable]
         # A rule may declare the rules whose output it consumes (see kprof/patching/ablation.py).
         consumes = {r.id: tuple(getattr(r, "consumes", ()) or ()) for r in all_rules(self.rules_dir)}
-        self.groups = ab.groups_of([(r.rule, r.path, r.module) for r in live], consumes)
+        self.groups = ab.groups_of([(r.rule, r.path, r.module) for r in live], consumes, linked)
         if not self.groups:
             return True
         names = [ab.group_name(g) for g in self.groups]

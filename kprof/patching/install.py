@@ -41,7 +41,9 @@ class PatchRecord:
     path: str
     source: str
     params: dict
-    status: str = "pending"  # pending | verified | installed (verify=False) | reverted | removed
+    # pending | verified | installed (verify=False) | reverted | removed | declined (a traced
+    # candidate whose graph held no pattern: `note` names the structural difference)
+    status: str = "pending"
     verification: Verification | None = None
     note: str = ""
     module: bool = True  # a module's forward (False: a function in a Python module, e.g. RoPE's)
@@ -54,10 +56,18 @@ class PatchRecord:
 class _Unit:
     """The overrides of one match, their original values, and the first-call gate."""
 
-    def __init__(self, match, record: PatchRecord, *, verify: bool, strict: bool, on_verified=None):
+    def __init__(self, match, record: PatchRecord, *, verify: bool, strict: bool, on_verified=None,
+                 add_record=None, decline_record=None):
         self.match, self.record, self.strict, self.on_verified = match, record, strict, on_verified
+        self.add_record, self.decline_record = add_record, decline_record
         rule, tgt = match.rule, match.target
-        if match.is_module:
+        self.siblings: list[PatchRecord] = []  # records of the other rules sharing a traced rewrite
+        if match.deferred:
+            # Traced rules: what to rewrite is found on the first call's graph (kprof/rules/fx_inline.py).
+            self.overrides = []
+            self.params = [(n, p) for n, p in tgt.named_parameters() if p.requires_grad]
+            self.state = list(tgt.parameters()) + [b for b in tgt.buffers() if b.is_floating_point()]
+        elif match.is_module:
             mods = dict(tgt.named_modules())
             self.overrides = [(mods[rel], "forward", fn) for rel, fn in rule.replace(tgt, match.params).items()]
             self.params = [(n, p) for n, p in tgt.named_parameters() if p.requires_grad]
@@ -73,7 +83,7 @@ class _Unit:
             self.saved.append((tgt, match.attr, tgt.__dict__.get(match.attr, _MISSING)))
         self.busy = False
         self.enabled = True  # see set_enabled
-        if verify:
+        if verify or match.deferred:  # a traced rewrite is never installed unverified
             # Verification runs eagerly even when the first call happens inside a torch.compile'd
             # model (Dynamo would otherwise trace autograd.grad and the RNG forks); once installed,
             # the patched forwards are plain functions over custom ops that Dynamo traces.
@@ -126,6 +136,20 @@ class _Unit:
         if self.busy:  # re-entered from inside our own verification
             return self._original_entry()(*args, **kwargs)
         self.busy = True
+        if self.match.deferred and not self.overrides:
+            try:
+                declined = self._resolve(args, kwargs)
+            finally:
+                self.busy = False
+            if declined is not None:
+                self._restore()
+                self.record.status, self.record.note = "declined", declined
+                if self.decline_record is not None:
+                    self.decline_record(self.record)
+                if self.on_verified is not None:
+                    self.on_verified(self.record)
+                return self._original_entry()(*args, **kwargs)
+            self.busy = True
         try:
             v = verify_call(self._original_entry(), self._patched_entry(), args, kwargs,
                             [p for _, p in self.params], select=self.match.rule.outputs,
@@ -144,6 +168,8 @@ class _Unit:
             if self.strict:
                 raise KprofError(msg + "; drop --strict to keep the original code for this module and go on")
             warnings.warn(msg + "; reverted to the original code", stacklevel=2)
+        for sib in self.siblings:
+            sib.status, sib.verification = self.record.status, v
         if self.on_verified is not None:
             self.on_verified(self.record)
         tgt, attr = self.entry
@@ -161,6 +187,29 @@ class _Unit:
             self._restore()
         self.enabled = on
 
+    def _resolve(self, args, kwargs) -> str | None:
+        """Trace the target on this call and build its rewrite; the reason when nothing fits."""
+        from kprof.rules.fx_inline import Declined, resolve
+
+        tgt = self.match.target
+        try:
+            fwd, sites, declined = resolve(tgt, self.match.params, args, kwargs)
+        except Declined as e:
+            return str(e)
+        self.overrides = [(tgt, "forward", fwd)]
+        ids = list(dict.fromkeys(s.rule for s in sites))
+        for i, rid in enumerate(ids):
+            rec = self.record if i == 0 else PatchRecord(rid, self.record.path, self.record.source, {})
+            rec.rule = rid
+            rec.params = {"sites": [s.what for s in sites if s.rule == rid]}
+            if i:
+                self.siblings.append(rec)
+                if self.add_record is not None:
+                    self.add_record(rec)
+        if declined:
+            self.record.note = "; ".join(declined)
+        return None
+
     def remove(self) -> None:
         self._restore()
         if self.record.status in ("pending", "installed"):
@@ -173,7 +222,11 @@ class PatchReport:
 
     records: list[PatchRecord] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (rule id, why it could not apply)
+    # Traced candidates whose first call's graph held no pattern (moved out of `records`); each
+    # note names the structural difference or why the forward could not be traced.
+    declined: list[PatchRecord] = field(default_factory=list)
     _units: list[_Unit] = field(default_factory=list, repr=False)
+    _optimizers: list = field(default_factory=list, repr=False)  # kprof.rules.optimizer.OptimizerPatch
     active: bool = True  # False after unpatch()
 
     def enable_only(self, rules: Iterable[str]) -> None:
@@ -183,7 +236,21 @@ class PatchReport:
         for u in self._units:
             u.set_enabled(u.record.rule in keep)
 
+    def toggle_sets(self) -> list[tuple[str, ...]]:
+        """The rule ids that `enable_only` switches together, one tuple per installed unit whose
+        patch can be switched (verified or installed): a traced rewrite carries several rules."""
+        return [tuple(dict.fromkeys([u.record.rule] + [s.rule for s in u.siblings])) for u in self._units
+                if u.record.status in ("verified", "installed")]
+
+    def decline(self, rec: PatchRecord) -> None:
+        if rec in self.records:
+            self.records.remove(rec)
+        self.declined.append(rec)
+
     def unpatch(self) -> None:
+        for o in self._optimizers:
+            o.unpatch()
+        self._optimizers.clear()
         for u in reversed(self._units):
             u.remove()
         self._units.clear()
@@ -219,6 +286,8 @@ class PatchReport:
             lines.append(f"  {r.rule:22s} {r.path or '<model>':40s} {r.status}{v}{'  ' + r.note if r.note else ''}")
         for rid, why in self.skipped:
             lines.append(f"  {rid:22s} skipped: {why}")
+        for r in self.declined:
+            lines.append(f"  {r.path or '<model>'}: declined: {r.note}")
         return "\n".join(lines)
 
 
@@ -249,8 +318,14 @@ def patch(
     strict: bool = False,
     rules_dir: str | None = None,
     on_verified: Callable[[PatchRecord], None] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> PatchReport:
-    """Match `rules` on `model` and install the patches (see the module docstring)."""
+    """Match `rules` on `model` and install the patches (see the module docstring).
+
+    `optimizer`: a torch.optim.Adam/AdamW/SGD stepping per parameter or per list is switched to
+    its fused step (foreach where fused can't run) in place, state and hyperparameters kept,
+    after one step on copies proved the same (kprof/rules/optimizer.py); recorded as rule
+    "fused_optimizer" at path "<optimizer>"."""
     from kprof.kernels.common import interpreter_enabled
     from kprof.rules.engine import find_matches, kernel_spec
 
@@ -265,14 +340,40 @@ def patch(
             report.skipped.append((r.id, why))
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())
     for m in find_matches(model, chosen):
-        rec = PatchRecord(m.rule.id, m.path, m.source, dict(m.params), module=m.is_module)
+        params = {"candidate_for": [r.id for r in m.params["traced"]]} if m.deferred else dict(m.params)
+        rec = PatchRecord(m.rule.id, m.path, m.source, params, module=m.is_module)
         if on_cpu and not interpreter_enabled() and m.rule.kernels:
             cuda_only = [k for k in m.rule.kernels if (s := kernel_spec(k)) is not None and s.cuda_only]
             rec.note = ("CPU without the Triton interpreter: the kernel runs its PyTorch reference"
                         + (f" ({', '.join(cuda_only)} is CUDA-only)" if cuda_only else ""))
-        report._units.append(_Unit(m, rec, verify=verify, strict=strict, on_verified=on_verified))
+        report._units.append(_Unit(m, rec, verify=verify, strict=strict, on_verified=on_verified,
+                                   add_record=report.records.append, decline_record=report.decline))
         report.records.append(rec)
+    if optimizer is not None:
+        _patch_optimizer(report, optimizer, strict)
     return report
+
+
+def _patch_optimizer(report: PatchReport, opt, strict: bool) -> None:
+    from kprof.rules import optimizer as optim_rule
+
+    rec = PatchRecord("fused_optimizer", "<optimizer>", type(opt).__module__ + "." + type(opt).__name__, {})
+    try:
+        done = optim_rule.install(opt)
+    except KprofError as e:
+        if strict:
+            raise
+        rec.status, rec.note = "reverted", str(e)
+        report.records.append(rec)
+        return
+    rec.params = {"mode": done.mode}
+    if not done.mode:
+        rec.status, rec.note = "declined", done.reason
+        report.declined.append(rec)
+        return
+    rec.status, rec.note = "verified", f"{done.mode}: {done.reason}; one step on copies agrees"
+    report.records.append(rec)
+    report._optimizers.append(done)
 
 
 def ids_of(records: Iterable[PatchRecord]) -> list[str]:

@@ -28,6 +28,8 @@ HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 APPROX = ["tanh", "none"]
+# Cases past the default run's time budget (docs/testing.md): `pytest -m slow` or CI's full run.
+slow = pytest.mark.slow
 
 # tl.sigmoid overflows exp to inf on purpose for very negative inputs; numpy (interpreter) warns.
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -36,8 +38,8 @@ SHAPES = [
     (1, 1),
     (3, 7),
     (37, 781),  # CPU stand-in for 1823x781
-    (2, 5, 4097),
-    (1, 65536),
+    pytest.param((2, 5, 4097), marks=slow),
+    pytest.param((1, 65536), marks=slow),
     (0, 16),  # no rows: dbias must be zeros, not empty
     (4, 0),
     pytest.param((1823, 781), marks=pytest.mark.gpu),
@@ -129,7 +131,7 @@ def test_broadcast_dy(device):
     _check(x, b, dy, "tanh")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.float16, marks=slow), torch.bfloat16])
 def test_dbias_many_row_tiles_per_group(dtype, device):
     """Each backward program walks several row tiles and several groups write partial rows:
     exercises the in-program accumulation and the second-level sum together. The first version
@@ -146,7 +148,9 @@ def test_dbias_many_row_tiles_per_group(dtype, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n_cols", [2048, 2047, 600], ids=["even", "masked", "two-row-tiles"])
+@pytest.mark.parametrize(
+    "n_cols", [pytest.param(2048, marks=slow), 2047, pytest.param(600, marks=slow)], ids=["even", "masked", "two-row-tiles"]
+)
 def test_backward_walks_several_row_tiles(n_cols, dtype, monkeypatch, device):
     """Each backward program walks 5 row tiles by advancing its pointers (no r * stride per
     tile), on the unmasked path, the masked one and with two rows per tile, with a masked last
@@ -167,7 +171,9 @@ def test_backward_walks_several_row_tiles(n_cols, dtype, monkeypatch, device):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("approximate", APPROX)
-@pytest.mark.parametrize("shape", [(64, 64), (8, 2048), (16, 8192)], ids=["one-tile", "tile-rows", "col-blocks"])
+@pytest.mark.parametrize(
+    "shape", [(64, 64), (8, 2048), pytest.param((16, 8192), marks=slow)], ids=["one-tile", "tile-rows", "col-blocks"]
+)
 def test_even_tiles_unmasked_path(shape, approximate, dtype, device):
     """Shapes that tile exactly take the kernels' unmasked (EVEN) path; the same checks."""
     cfg = StreamConfig.streaming(*shape)
@@ -191,7 +197,7 @@ def test_forward_row_blocks_past_grid_y(shape, monkeypatch, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tile,warps", [(1024, 4), (2048, 8)])
+@pytest.mark.parametrize("tile,warps", [(1024, 4), pytest.param(2048, 8, marks=slow)])
 def test_backward_launch_knobs(tile, warps, dtype, monkeypatch, device):
     """BWD_TILE / BWD_WARPS (what benchmarks.cases.glu sweeps): other backward tiles, the same
     results, on an even and an odd shape."""
@@ -215,7 +221,7 @@ def test_extreme_inputs(dtype, device):
         _check(x, b, dy, approximate)
 
 
-@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("approximate", ["tanh", pytest.param("none", marks=slow)])
 def test_deterministic(approximate, device):
     torch.manual_seed(3)
     shape = (64, 1000) if device == "cpu" else (8192, 3072)
@@ -409,11 +415,11 @@ for act in (0, 1, 2):
             f.flush()
             res = subprocess.run([os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump"),
                                   "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-        # ptxas reports register spills of these kernels as STACK (LOCAL stays 0; seen 2026-11-30)
+        # ptxas reports register spills of these kernels as STACK (LOCAL stays 0)
         print("compiled", fn.__name__, act, extra, re.search(r"REG:\d+", res).group(0), re.search(r"LOCAL:\d+", res).group(0),
               re.search(r"STACK:\d+", res).group(0))
 # Tiny tiles (a 1x1 tensor is one even tile): one element a thread, where the bf16 pair widening
-# (_math.to_f32_fast) must step aside (it failed to compile there on the H200, 2026-11-30).
+# (_math.to_f32_fast) must step aside (it failed to compile there on the H200).
 for fn in (glu._glu_fwd_kernel, glu._glu_bwd_kernel, bg._bias_gelu_fwd_kernel, bg._bias_gelu_bwd_kernel):
     for bn in (1, 2, 8):
         consts = {"ACT": 1, "BLOCK_M": 1, "BLOCK_N": bn, "FAST": True, "EVEN": True}

@@ -261,7 +261,7 @@ def emulate_torch211_function_tracing(monkeypatch) -> None:
     extra output of the traced forward, including one that is the same tensor as the returned
     value (`t.to(t.dtype)` returns `t`); autograd then sends the loss's gradient to that extra
     output, and the real backward gets grad_output = 0 (pytorch#180642; 2.12 filters such
-    aliases, pytorch#180921). On the H200 (2026-11-29) every fp32 grad of CE and linear+CE under
+    aliases, pytorch#180921). On the H200 every fp32 grad of CE and linear+CE under
     torch.compile was 0 this way, while torch 2.13 here passed. Emulated by (1) turning the
     alias filter off and (2) counting ctx attribute stores as side effects, so that the path is
     taken; the first assertion of the tests using this shows that it reproduces the bug.

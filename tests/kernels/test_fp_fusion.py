@@ -1,7 +1,7 @@
-"""Every Triton launch in kprof's kernel library pins FP fusion on (`_common.FP_FUSION`).
+"""Every Triton launch in kprof's kernel library pins FP fusion on (`common.FP_FUSION`).
 
-Triton 3.10 turns fusion off by default; measured on the H200 (2026-11-30), that costs the erf
-bias+GELU 12% and LayerNorm's fwd+bwd 21% (see `_common.FP_FUSION`). A launch that forgets the
+Triton 3.10 turns fusion off by default; measured on the H200, that costs the erf
+bias+GELU 12% and LayerNorm's fwd+bwd 21% (see `common.FP_FUSION`). A launch that forgets the
 option would silently change speed and rounding with the user's Triton version, so this test
 finds each launch (`name[grid](...)`) in the kernel modules and checks its arguments.
 """

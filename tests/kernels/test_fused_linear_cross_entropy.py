@@ -487,7 +487,7 @@ def test_registry_spec_and_costs():
 
 
 @pytest.mark.gpu
-@pytest.mark.gpu_large  # ~30 GB with the eager reference: OOM beside 3 other test workers (2026-11-30 05:03)
+@pytest.mark.gpu_large  # ~30 GB with the eager reference: OOM beside 3 other test workers
 def test_gpu_issue_shape_memory_and_accuracy(device):
     # hidden 8192x4096, weight 128256x4096 bf16. Extra memory beyond the grads we return
     # (grad_hidden, grad_weight) must be about one [chunk, V] buffer; never [N, V].

@@ -214,7 +214,7 @@ def test_bf16_rounds_once_to_nearest(kind, fn, kw):
     """The kernel computes in fp32 and rounds once, to nearest: its bf16 output equals the exact
     (fp64) result rounded to bf16 except where its fp32 error (a few ulp) straddles a bf16
     rounding midpoint, 2^16 fp32 ulp apart: ~2e-4 of elements expected; truncation would miss
-    ~50%, and the old 0.5 * (1 + erf) CDF missed 1.3% on this data (H200, 2026-11-29).
+    ~50%, and the old 0.5 * (1 + erf) CDF missed 1.3% on this data (H200).
     Compared with the exact result, not with eager fp32, which has that cancellation itself.
     g = 2 N(0, 1): below g ~ -9.6 the tanh form's exp(-|u|) underflows fp32 (bf16 subnormals,
     not the property under test); 2N keeps that to ~1 element in 2M."""

@@ -95,7 +95,7 @@ def _kernel_x_hat(x, stats):
 # fp32 dweight against the fp64 reference only up to this many rows. Past it, the fp32 terms
 # alone (x_hat and dy * x_hat, correctly rounded, with fp32 mean and rstd, summed exactly) use
 # 1.43x the fp32 tolerance on near-zero columns at 16384x4096 (seed 0; eager fp32 PyTorch on the
-# CPU: 14x); 0.45 at 1823x781 (measured on the CPU, 2026-11-29). Larger shapes are covered by dx
+# CPU: 14x); 0.45 at 1823x781 (measured on the CPU). Larger shapes are covered by dx
 # against the reference elementwise and dweight against the exact sum of the kernel's own terms.
 # dbias sums the exact dy values in fp64, so it is checked against the reference at every size.
 # Same reasoning as test_bias_gelu's dbias.
@@ -118,7 +118,7 @@ def test_affine_variants(shape, dtype, affine, device):
 
 
 def test_fp32_dweight_on_the_h200_grid(monkeypatch, device):
-    """16384x4096 fp32 failed dweight on the H200 (2026-11-29) with fp32 partial sums. Its grid
+    """16384x4096 fp32 failed dweight on the H200 with fp32 partial sums. Its grid
     is too big for the interpreter; 1823x781 on the H200's grid (228 programs of 8 rows) runs
     the same fp64 partials here: dweight equals the exact sum of the kernel's own fp32 terms
     (in _check), and dweight and dbias match the fp64 reference."""

@@ -102,7 +102,7 @@ def _check(x, w, eps=1e-6, dy_scale=1.0, **kw):
 # alone (x * rstd and dy * x_hat, each correctly rounded, with fp32 rstd, summed exactly) use
 # most of the fp32 atol on near-zero columns: 0.60 of it at 16384x4096 (seed 0, rstd from torch
 # on the CPU; ~1.6 with the GPU's approximate rsqrt, emulated), where eager fp32 PyTorch fails
-# the comparison by 1.9x; 0.23 (~0.44) at 1823x781 (measured on the CPU, 2026-11-29).
+# the comparison by 1.9x; 0.23 (~0.44) at 1823x781 (measured on the CPU).
 # Larger shapes are covered by dx against the reference elementwise and dweight against the
 # exact sum of the kernel's own terms (above). Same reasoning as test_bias_gelu's dbias.
 FP32_DW_REF_ROWS = 2048
@@ -118,7 +118,7 @@ def test_matches_reference(shape, dtype, mode, device):
 
 
 def test_fp32_dweight_on_the_h200_grid(monkeypatch, device):
-    """1823x781 fp32 failed dweight on the H200 (2026-11-29) with fp32 partial sums; here the
+    """1823x781 fp32 failed dweight on the H200 with fp32 partial sums; here the
     same persistent grid (132 SMs x 2 = 228 programs of 8 rows at this shape) runs on the CPU.
     dweight now sums in fp64: it equals the exact sum of the kernel's own fp32 terms (checked in
     _check; 0.65 of the fp32 tolerance before) and is within 0.42 of the tolerance of the fp64

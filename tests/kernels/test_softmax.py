@@ -344,7 +344,7 @@ class _LaunchLog:
 def test_eager_path_launches_directly(monkeypatch, device):
     """Eager fwd+bwd: no custom op, one launch each way, and the only tensor ops are the two
     output allocations (plus autograd's detach of the saved y). Each avoided op is ~12 us of host
-    time on the H200 machine, where this path was host-bound (kernels/_common.py::via_custom_op)."""
+    time on the H200 machine, where this path was host-bound (kernels/common.py::via_custom_op)."""
     from kprof.kernels import softmax as mod
 
     launches: list[str] = []

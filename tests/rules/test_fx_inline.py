@@ -1,4 +1,5 @@
-"""Inline patterns in a forward, rewritten on the torch.fx graph: inline RMSNorm and silu(g) * u."""
+"""Inline patterns in a forward, rewritten on the graph traced at the first call: inline RMSNorm
+and silu(g) * u; a look-alike is declined with the structural reason."""
 
 from __future__ import annotations
 
@@ -47,12 +48,15 @@ def test_inline_patterns_rewritten_verified_and_unpatched():
     ref = nn.Sequential(Block(), Block())
     model = copy.deepcopy(ref)
     report = kprof_patch(model)
-    assert [(r.rule, r.path) for r in report.records] == [("inline_fx", "0"), ("inline_fx", "1")]
-    assert report.records[0].params == {"rms_norm": [("norm_w", 1e-6)], "swiglu": 1}
+    # planned before the first call: the candidates, matched on their first call's graph
+    assert [(r.rule, r.path, r.status) for r in report.records] == [("inline_fx", "0", "pending"),
+                                                                    ("inline_fx", "1", "pending")]
     x = torch.randn(2, 5, 32, requires_grad=True)
     y = model(x)
     assert all(r.status == "verified" for r in report.records), str(report)
-    gm = model[0].forward.__self__  # after verification: the rewritten GraphModule's forward
+    assert report.records[0].params == {"sites": ["x * rsqrt(mean(x^2) + 1e-06) * norm_w -> rms_norm",
+                                                  "silu(g) * u -> swiglu"]}
+    gm = model[0].forward.graph_module  # after verification: the rewritten forward's GraphModule
     assert gm.norm_w is model[0].norm_w and gm.gate is model[0].gate  # the module's own objects
     code = gm.code
     assert "rms_norm" in code and "swiglu" in code and "rsqrt" not in code and "silu(" not in code
@@ -64,5 +68,11 @@ def test_inline_patterns_rewritten_verified_and_unpatched():
     assert "forward" not in model[0].__dict__
 
 
-def test_lookalike_is_not_matched():
-    assert [m.rule.id for m in find_matches(NotRMS(), RULES)] == []
+def test_lookalike_is_declined_with_the_structural_reason():
+    model = NotRMS()
+    assert [m.rule.id for m in find_matches(model, RULES)] == ["inline_fx"]  # a candidate: it calls rsqrt
+    report = kprof_patch(model)
+    model(torch.randn(2, 3, 32))
+    assert report.records == [] and [r.path for r in report.declined] == [""]
+    assert "no inline RMSNorm (rsqrt of a mean of squares" in report.declined[0].note
+    assert "forward" not in model.__dict__  # nothing installed
