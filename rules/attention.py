@@ -39,6 +39,7 @@ from kprof.kernels.registry import Cost
 from kprof.rules.engine import ProfilePattern, Rule
 from kprof.rules.fx_inline import Site
 from kprof.rules.graph import Traced, arg, get_attr, is_module_call, is_op, value
+from kprof.rules.problems import first_shape
 
 _MUL = (operator.mul, torch.mul, "mul")
 _DIV = (operator.truediv, torch.div, torch.true_divide, "div")

@@ -205,6 +205,7 @@ def find_matches(model: nn.Module, rules: Sequence[Rule]) -> list[Match]:
     claimed: set[tuple[int, str]] = set()
     out: list[Match] = []
     traced: dict[int, Match] = {}
+    replaced: set[int] = set()  # modules inside a forward replaced whole: their code no longer runs
     for rule in rules:
         if not rule.applyable:
             continue
@@ -214,7 +215,7 @@ def find_matches(model: nn.Module, rules: Sequence[Rule]) -> list[Match]:
                     if rule not in traced[id(mod)].params["traced"]:
                         traced[id(mod)].params["traced"].append(rule)
                     continue
-                if (id(mod), "forward") in claimed or "forward" in mod.__dict__:
+                if (id(mod), "forward") in claimed or "forward" in mod.__dict__ or id(mod) in replaced:
                     continue
                 if type(mod).__module__.startswith("torch.nn.") and not any(True for _ in mod.children()):
                     continue  # torch's own leaf modules: their forward is one aten call
@@ -241,11 +242,14 @@ def find_matches(model: nn.Module, rules: Sequence[Rule]) -> list[Match]:
                 continue
             children = dict(mod.named_modules())
             keys = {(id(mod), "forward")}  # the entry: its first call is where the patch verifies
-            for rel in rule.replace(mod, params):
+            rels = list(rule.replace(mod, params))
+            for rel in rels:
                 keys.add((id(children[rel]), "forward"))
             if keys & claimed:
                 continue
             claimed |= keys
+            if "" in rels:
+                replaced |= {id(c) for c in mod.modules() if c is not mod}
             out.append(Match(rule, path, mod, params, source=source_of(mod)))
     return out
 

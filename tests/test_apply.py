@@ -1,5 +1,8 @@
-"""kprof apply end to end on the repo's GPT example (CPU, Triton interpreter), and its bad-input
-messages. The HF Llama end-to-end apply runs on the GPU (the interpreter makes RoPE slow here)."""
+"""kprof apply end to end on the repo's GPT example and the HF Llama test script (CPU, Triton
+interpreter, where every kernel patch is slower than eager: the ablation must keep none of the
+slower ones), and its bad-input messages. The full HF Llama apply runs on the GPU (the
+interpreter makes RoPE take seconds a step here). Decisions on planted timings:
+tests/test_ablation.py."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from kprof.plan.suggest import parse_ids, save_plan, suggest
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt_train.py"
-GPT_ARGS = ["--n-embd", "64", "--n-layer", "1", "--seq-len", "16", "--batch-size", "2"]
+GPT_ARGS = ["--n-embd", "64", "--n-layer", "1", "--seq-len", "16", "--batch-size", "2", "--steps", "80"]
 
 
 def _app():
@@ -35,11 +38,33 @@ def wide(monkeypatch):
     monkeypatch.setattr(cli_patch, "console", Console(width=250))
 
 
+def _check_ablation_doc(doc: dict, planned: set, output: str) -> None:
+    """What `kprof apply` promises whatever the timings: no slower (or undecided) patch is kept,
+    every planned patch is named with its verdict, n and spread, and the kept set alone ran."""
+    assert {p["id"] for p in doc["patches"]} == planned
+    for p in doc["patches"]:
+        assert set(p) >= {"id", "where", "verified", "kept", "predicted_saving_ms", "measured_saving_ms", "reason"}
+        assert p["verified"] is True, p
+        assert p["verdict"] in ("kept", "dropped", "undecided"), p
+        assert p["kept"] == (p["verdict"] == "kept"), p
+        if p["kept"]:  # significantly faster: the whole 95% interval above 0
+            assert p["measured_interval_ms"][0] > 0, p
+        if p["verdict"] == "dropped":
+            assert p["measured_interval_ms"][1] < 0 and "costs" in p["reason"], p
+        assert f"{p['id']}: {p['verdict']}" in output and f"n={p['n']}" in output
+    assert doc["kept"] == [p["id"] for p in doc["patches"] if p["kept"]]
+    assert {r["rule"] for r in doc["records"]["after"]} == set(doc["kept"])
+    assert all(r["status"] == "verified" for r in doc["records"]["after"])
+    assert doc["before_ms"] > 0 and doc["after_ms"] > 0 and doc["recommendation"]
+    assert doc["not_installed"] == []
+
+
 def test_apply_end_to_end_on_repo_gpt(tmp_path, wide):
     root = tmp_path / "runs"
     before = profile_script(str(GPT), GPT_ARGS, warmup=1, steps=2, out_root=root)
     keep = tmp_path / "keep.py"
-    res = CliRunner().invoke(_app(), ["apply", str(GPT), "--patch", "all", "--out", str(root),
+    # 4 groups -> 6 configurations; 42 steps = 1 warm + 6 counted blocks
+    res = CliRunner().invoke(_app(), ["apply", str(GPT), "--patch", "all", "--out", str(root), "--steps", "42",
                                       "--write", str(keep), "--", *GPT_ARGS])
     assert res.exit_code == 0, res.output + repr(res.exception)
     after = load_run(None, root)
@@ -48,22 +73,54 @@ def test_apply_end_to_end_on_repo_gpt(tmp_path, wide):
     planned = {"layer_norm", "linear_gelu", "attention_sdpa", "linear_cross_entropy"}
     assert set(doc["patch"]) == planned  # plan computed on the fly (no suggest run before)
     by_rule = {}
-    for p in doc["patches"]:
+    for p in doc["records"]["ablation"]:
         by_rule.setdefault(p["rule"], []).append(p["path"])
         assert p["status"] == "verified", p
     assert by_rule == {"layer_norm": ["transformer.h.0.ln_1", "transformer.h.0.ln_2", "transformer.ln_f"],
                        "linear_gelu": ["transformer.h.0.mlp"], "attention_sdpa": ["transformer.h.0.attn"],
                        "linear_cross_entropy": [""]}
-    assert doc["losses_agree"] is True and len(doc["losses"]) == 5
-    # fp32 end to end: the first loss (same weights) agrees to fp32 rounding
+    assert doc["ablation"]["steps"] == 42 and doc["ablation"]["blocks"] == 6
+    _check_ablation_doc(doc, planned, res.output)
+    assert len(doc["losses"]) == 5
+    # fp32 end to end: the first loss (same weights) agrees to fp32 rounding, patched or not
     assert doc["losses"][0]["rel diff"] < 2e-5
-    assert {s["id"] for s in doc["suggestions"]} == planned
     assert {s["metric"] for s in doc["steps"]} >= {"step time (ms, median)", "peak memory (GiB)", "tokens/s"}
-    for word in ("before", "after", "first losses", "verified"):
+    for word in ("before", "after", "first losses", "recommendation"):
         assert word in res.output
 
-    # --write: the lines that keep the patches
-    assert f"kprof.patch(model, rules={sorted(planned)!r}"[:20] in keep.read_text()
+    # --write: the lines that keep the kept patches, or nothing when none was kept
+    if doc["kept"]:
+        assert f"kprof.patch(model, rules={doc['kept']!r}" in keep.read_text()
+    else:
+        assert not keep.exists() and "nothing was written" in res.output
+
+
+def test_apply_json_on_hf_llama_keeps_no_slower_patch(tmp_path, wide):
+    """The HF Llama script (tests/profile/scripts/) through `kprof apply --json`. In the Triton
+    interpreter every kernel is slower than eager: nothing slower may be kept."""
+    script = tmp_path / "train_hf_llama.py"
+    src = (ROOT / "tests" / "profile" / "scripts" / "train_hf_llama.py").read_text()
+    script.write_text(src.replace("range(30)", "range(60)"))  # 3 warm-up + 14 ablation steps + the runs
+    assert "range(60)" in script.read_text()
+    root = tmp_path / "runs"
+    profile_script(str(script), [], warmup=1, steps=2, out_root=root)
+    # one group (the norms) keeps it to 14 steps: RoPE in the interpreter takes seconds a step
+    res = CliRunner().invoke(_app(), ["apply", str(script), "--patch", "rms_norm", "--out", str(root),
+                                      "--steps", "14", "--json"])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    doc = json.loads(res.stdout[res.stdout.index("{"):])
+    for key in ("before_ms", "after_ms", "patches", "not_installed", "recommendation"):
+        assert key in doc
+    (p,) = doc["patches"]
+    assert p["id"] == "rms_norm" and p["verified"] is True and p["n"] == 6
+    assert p["kept"] == (p["verdict"] == "kept") and p["reason"]
+    if p["kept"]:
+        assert p["measured_interval_ms"][0] > 0
+    else:  # not kept: the after run ran the script as written
+        assert doc["records"]["after"] == [] and doc["kept"] == []
+    assert {r["path"] for r in doc["records"]["ablation"]} == {
+        "model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
+        "model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm", "model.norm"}
 
 
 def test_write_lines_patch_a_fresh_model():

@@ -39,7 +39,6 @@ Everything kprof installs is removed when the script ends, however it ends.
 from __future__ import annotations
 
 import collections
-import gc
 import importlib.metadata
 import json
 import os
@@ -412,6 +411,7 @@ class _Session:
         self.detector: SyncDetector | None = None
         self.shapes_handle: Any = None  # the open SHAPES_STEP_RANGE
         self.shapes_trace: str | None = None  # the shapes step's exported trace
+        self.shapes_prof: Any = None  # the shapes step's stopped profiler (see _end_shapes_step)
         self.full_lists: dict = {}  # (op, start us) -> full TensorList records (see _full_tensorlists)
         self.sync_steps = 0
         self.syncs: list[dict] = []
@@ -999,12 +999,11 @@ class _Session:
             self.shapes_trace = path
         except Exception as e:
             self.warnings.append(f"could not export the shapes step's trace: {e!r}; ops have no shapes")
-        # Free this profiler's results now, before the next profiler starts: left to the garbage
-        # collector (the profile object sits in a reference cycle), they were freed during or
-        # after the next session and crashed the process (torch 2.13 on this CPU, most runs of
-        # test_script_too_short_returns_what_was_recorded). Outside any timed step.
-        del prof
-        gc.collect()
+        # Keep this profiler's results alive until the next one has stopped: ranges opened under
+        # it (the Optimizer.step range around the step boundary) close under the next one, whose
+        # exit callback writes their end time into this one's event storage. Freed, that crashed
+        # the process (torch 2.13 on this CPU, most runs of test_script_too_short_...).
+        self.shapes_prof = prof
 
     def _start_timing_profiler(self) -> None:
         """End the shapes step, start the profiler that times the recorded steps: no shapes
@@ -1086,6 +1085,7 @@ class _Session:
         self.trace_path = path
 
     def _drop_shapes_trace(self) -> None:
+        self.shapes_prof = None
         if self.shapes_trace is not None:
             try:
                 os.remove(self.shapes_trace)

@@ -37,6 +37,7 @@ from kprof.patching.install import patch as kpatch
 from kprof.plan.suggest import parse_ids, plan_for
 
 PREFER = ("time", "memory")
+ABLATION_WARMUP = 3  # untimed steps before the ablation's first: see apply()
 
 
 @dataclass
@@ -356,8 +357,11 @@ def suggestions_frame(plan: dict, ids: Sequence[str], reports: Sequence, abl: "a
         elif not ok:
             verdict, reason = "not installed", ("failed verification" if any(r.status == "reverted" for r in mine)
                                                else "never called before the timed steps")
-        else:
+        elif abl is None:
             verdict, reason = "not measured", "no ablation ran"
+        else:
+            verdict, reason = "not measured", ("verified only after the ablation's first timed step, so not timed "
+                                               "and not kept")
         is_kept = s["id"] in kept
         if is_kept and verdict != "kept":
             reason = f"kept by --keep-losers; {reason}"
@@ -425,8 +429,12 @@ def apply(
 
     # 1. The ablation: one unprofiled run, the patch groups switched between timed steps.
     abl = _Ablation(ids, strict=strict, rules_dir=rules_dir, budget=steps, seed=seed)
+    # The root's first call already runs its original forward (the patch goes in from inside that
+    # call), so the root's patch verifies at the 2nd call: ABLATION_WARMUP steps have every patch
+    # verified, and the kernels compiled, before the first timed step.
+    ab_warmup = max(warmup, ABLATION_WARMUP)
     try:
-        raw = run_script(script, list(argv), RunConfig(warmup=warmup, steps=abl.max_steps, on_root_module=abl.on_root,
+        raw = run_script(script, list(argv), RunConfig(warmup=ab_warmup, steps=abl.max_steps, on_root_module=abl.on_root,
                                                        on_step=abl.on_step), progress=progress)
     finally:
         for rep in abl.reports:  # RoPE patches a shared module namespace: leave the process as we found it
@@ -448,7 +456,7 @@ def apply(
         result_ablation = ab.decide(abl.groups, abl.plan, times, abl.peaks if abl.cuda else None, prefer=prefer)
         k = len(ab.configs(abl.groups))
         notes.append(f"ablation: {result_ablation.steps} timed steps ({ab.WARM_BLOCKS} warm + {abl.blocks} blocks of "
-                     f"{k} configurations, {len(abl.groups)} group(s)) after {warmup} warm-up; --steps bounds it")
+                     f"{k} configurations, {len(abl.groups)} group(s)) after {ab_warmup} warm-up; --steps bounds it")
         if len(times) < len(abl.plan):
             notes.append(f"the script ended after {len(times)} of the ablation's {len(abl.plan)} timed steps: "
                          f"{result_ablation.blocks} complete blocks were judged; run it longer or lower --steps")
@@ -459,7 +467,7 @@ def apply(
                                           for rep in abl.reports for r in rep.records):
         notes.append("no patch was verified before the timed steps, so none was timed")
     elif abl.declined is None:
-        notes.append(f"the script ended before the ablation's first timed step ({warmup} warm-up steps)")
+        notes.append(f"the script ended before the ablation's first timed step ({ab_warmup} warm-up steps)")
 
     verified = [i for i in ids if any(r.rule == i and r.status in ("verified", "installed")
                                       for rep in abl.reports for r in rep.records)]

@@ -5,13 +5,15 @@ from the checked-in tiny Llama CPU trace (tests/data/llama_cpu.json.gz) with fix
 so every number is reproducible; `apply` has its expensive part (re-running the script) patched
 out with a fixed result. Each output is compared with tests/cli/snapshots/<name>-<width>.txt
 after normalizing the temporary folder; on top of that, no line may be wider than the terminal
-and no "…" may appear (rich's sign of a cut cell).
+and no "…" may appear (rich's sign of a cut cell). Then `--json` of every command: one JSON
+document on stdout, nothing else.
 
 After an intended change of the output:  KPROF_UPDATE_SNAPSHOTS=1 pytest tests/cli
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -227,3 +229,64 @@ def test_help_fits_80_columns(monkeypatch, command):
     assert res.exit_code == 0, res.output
     lines = res.stdout.splitlines()
     assert len(lines) > 5 and max(cell_len(ln) for ln in lines) <= 80
+
+
+# ---------------------------------------------------------------------------------------------
+# --json: one JSON document on stdout and nothing else, the same runs and results as above.
+
+
+def _json(monkeypatch, args: list[str]) -> dict:
+    res = CliRunner().invoke(cli.app, [*args, "--json"])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    return json.loads(res.stdout)  # fails on anything printed beside the document
+
+
+def test_json_report_runs_suggest(root, monkeypatch):
+    doc = _json(monkeypatch, ["report", RUN, "--out", str(root)])
+    assert doc["run"] == RUN and doc["summary"]["steps_recorded"] == 2 and doc["compare"] is None
+    doc = _json(monkeypatch, ["runs", "--out", str(root)])
+    assert [(r["run"], r["status"]) for r in doc["runs"]] == [(RUN, "stopped"), (FAILED, "error"),
+                                                              (BROKEN, "unreadable")]
+    assert doc["runs"][0]["step_time_ms"] == 400.0 and "is missing" in doc["runs"][2]["error"]
+    doc = _json(monkeypatch, ["suggest", RUN, "--out", str(root)])
+    # separate lists as before (apply reads "suggestions"), one ranking across both
+    ranks = {(r["id"], r["rank"]) for r in doc["suggestions"] + doc["diagnoses"]}
+    assert sorted(n for _, n in ranks) == list(range(1, len(ranks) + 1))
+    assert ("unfused_optimizer", 1) in ranks and {s["id"] for s in doc["suggestions"]} >= {"rms_norm", "rope"}
+    assert [s["rank"] for s in doc["suggestions"]] == sorted(s["rank"] for s in doc["suggestions"])
+    assert json.loads((root / RUN / "plan.json").read_text())["suggestions"] == doc["suggestions"]
+
+
+def test_json_profile_keeps_the_scripts_output_off_stdout(root, monkeypatch, tmp_path):
+    def fake_profile_script(script, argv, **kw):
+        print("step    0  loss 6.25")  # the script's own print, while it runs
+        return store.load_run(RUN, root)
+
+    monkeypatch.setattr("kprof.analyze.profile.profile_script", fake_profile_script)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    res = CliRunner().invoke(cli.app, ["profile", str(script), "--out", str(tmp_path), "--json"])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    assert json.loads(res.stdout)["run"] == RUN and "loss 6.25" in res.stderr
+
+
+def test_json_calibrate(monkeypatch, tmp_path):
+    from kprof.analyze import ceilings
+
+    monkeypatch.setenv("KPROF_CACHE_DIR", str(tmp_path))
+    fake = ceilings.for_device({"type": "cpu", "name": "Test CPU"})
+    monkeypatch.setattr(ceilings, "calibrate", lambda dev, quick=False: fake)
+    doc = _json(monkeypatch, ["calibrate", "--quick"])
+    assert doc["ceilings"]["mem_bw_gbs"] == fake.mem_bw_gbs and doc["cache"].startswith(str(tmp_path))
+
+
+def test_json_apply_and_compare(root, monkeypatch):
+    from kprof.patching.compare import CompareResult
+
+    res = _apply_result(root)
+    monkeypatch.setattr("kprof.patching.apply.apply", lambda *a, **kw: res)
+    doc = _json(monkeypatch, ["apply", "train_llama.py", "--out", str(root)])
+    assert doc["kept"] == ["rms_norm"] and doc["write_lines"] == res.write_lines
+    monkeypatch.setattr("kprof.patching.compare.compare", lambda *a, **kw: CompareResult.from_dict(COMPARE))
+    doc = _json(monkeypatch, ["apply", "train_llama.py", "--compare", "--out", str(root)])
+    assert doc["choice"] == "kprof+compile" and [v["variant"] for v in doc["variants"]][-1] == "kprof+compile"

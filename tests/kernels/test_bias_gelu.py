@@ -196,7 +196,7 @@ def test_forward_row_blocks_past_grid_y(shape, monkeypatch, device):
     _check(*_inputs(shape, torch.float32, device), "none")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=slow)])
 @pytest.mark.parametrize("tile,warps", [(1024, 4), pytest.param(2048, 8, marks=slow)])
 def test_backward_launch_knobs(tile, warps, dtype, monkeypatch, device):
     """BWD_TILE / BWD_WARPS (what benchmarks.cases.glu sweeps): other backward tiles, the same

@@ -97,7 +97,17 @@ def _cuobjdump() -> str | None:
 
 
 @pytest.mark.skipif(not _nvrtc_available(), reason="no NVRTC (pip install nvidia-cuda-nvrtc, in the test extra)")
-@pytest.mark.parametrize("dtype, vocab", [(torch.bfloat16, 128256), (torch.bfloat16, 256000), (torch.float16, 32000), (torch.float32, 128256)], ids=str)
+@pytest.mark.parametrize(
+    "dtype, vocab",
+    # One case (~9 s) in the default run; the three others (~50 s) are marked slow.
+    [
+        pytest.param(torch.bfloat16, 128256, marks=pytest.mark.slow),
+        pytest.param(torch.bfloat16, 256000, marks=pytest.mark.slow),
+        (torch.float16, 32000),
+        pytest.param(torch.float32, 128256, marks=pytest.mark.slow),
+    ],
+    ids=str,
+)
 def test_nvrtc_compiles_every_variant_without_spills(dtype, vocab, tmp_path):
     cfg = sm90.plan(8192, vocab, dtype.itemsize, (vocab, vocab), (0, 0), (9, 0))
     assert isinstance(cfg, sm90.ClusterConfig)

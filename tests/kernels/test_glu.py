@@ -51,13 +51,16 @@ FORMS = [
 ]
 FORM_IDS = [f[0] for f in FORMS]
 
+# Cases past the default run's time budget (docs/testing.md): `pytest -m slow` or CI's full run.
+slow = pytest.mark.slow
+
 # Shapes of gate (= up = output); packed forms use gu of [..., 2 * last].
 SHAPES = [
     (1, 1),
     (3, 7),
     (37, 781),  # CPU stand-in for 1823x781
-    (2, 5, 4097),  # 3-D, odd width just past a power of two
-    (1, 65536),  # one wide row: 16 column blocks of 4096
+    pytest.param((2, 5, 4097), marks=slow),  # 3-D, odd width just past a power of two
+    pytest.param((1, 65536), marks=slow),  # one wide row: 16 column blocks of 4096
     (0, 16),  # empty
     (4, 0),  # empty last dim
     pytest.param((1823, 781), marks=pytest.mark.gpu),

@@ -117,6 +117,7 @@ def test_affine_variants(shape, dtype, affine, device):
     _check(*_inputs(shape, dtype, device, affine, seed=1))
 
 
+@pytest.mark.slow
 def test_fp32_dweight_on_the_h200_grid(monkeypatch, device):
     """16384x4096 fp32 failed dweight on the H200 with fp32 partial sums. Its grid
     is too big for the interpreter; 1823x781 on the H200's grid (228 programs of 8 rows) runs
@@ -129,7 +130,8 @@ def test_fp32_dweight_on_the_h200_grid(monkeypatch, device):
     _check(*_inputs((1823, 781), torch.float32, device))
 
 
-@pytest.mark.parametrize("affine", AFFINE)
+# Weight only and bias only are slow here: the looped path's affine code is shared by all four.
+@pytest.mark.parametrize("affine", [a if a in ("weight+bias", "none") else pytest.param(a, marks=pytest.mark.slow) for a in AFFINE])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_looped_path_small(dtype, affine, monkeypatch, device):
     """The looped (wide-row) path at interpreter-friendly sizes: shrink the in-register limit

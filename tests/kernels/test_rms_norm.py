@@ -117,6 +117,7 @@ def test_matches_reference(shape, dtype, mode, device):
     _check(x, w, casting=casting, offset=offset)
 
 
+@pytest.mark.slow
 def test_fp32_dweight_on_the_h200_grid(monkeypatch, device):
     """1823x781 fp32 failed dweight on the H200 with fp32 partial sums; here the
     same persistent grid (132 SMs x 2 = 228 programs of 8 rows at this shape) runs on the CPU.
@@ -173,7 +174,7 @@ def test_add_reference_is_add_then_norm(device):
 
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: f"{m[0]}+{m[1]:g}")
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.float16, marks=pytest.mark.slow), torch.bfloat16])
 def test_looped_path_small(dtype, mode, residual, monkeypatch, device):
     """The looped (wide-row) path at interpreter-friendly sizes: shrink the in-register limit
     so 11 x 150 rows take 5 column tiles (the last one partial) and the 8 CPU programs get
@@ -539,7 +540,7 @@ _DTYPE_PAIRS = [(p, o) for p in (torch.float32, torch.float64) for o in (torch.f
     "n_parts, n_cols, part_dtype, out_dtype",
     [(*shape, *dts) for shape in ((1, 1), (3, 7), (228, 781), (600, 33)) for dts in _DTYPE_PAIRS]
     # the benchmark's grid, in what bf16 and fp32 inputs use (4-5 s each in the interpreter)
-    + [(264, 4096, torch.float32, torch.bfloat16), (264, 4096, torch.float64, torch.float32)],
+    + [pytest.param(264, 4096, *dts, marks=pytest.mark.slow) for dts in [(torch.float32, torch.bfloat16), (torch.float64, torch.float32)]],
     ids=lambda v: str(v).replace("torch.", ""),
 )
 def test_sum_partials_exact(n_parts, n_cols, part_dtype, out_dtype, device):
