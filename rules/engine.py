@@ -196,6 +196,24 @@ def forward_source(m: nn.Module) -> str:
         return ""
 
 
+def code_text(m: nn.Module) -> str:
+    """The source a module's forward runs itself: its forward, the plain functions of its module
+    it calls by name (a `rmsnorm(x, w, eps)` helper), and its direct children's forwards (an
+    activation module whose forward is `F.silu`)."""
+    fwd = inspect.unwrap(type(m).forward)
+    parts = [forward_source(m)]
+    glb = getattr(fwd, "__globals__", {})
+    for name in getattr(getattr(fwd, "__code__", None), "co_names", ()):
+        f = glb.get(name)
+        if inspect.isfunction(f):
+            try:
+                parts.append(inspect.getsource(f))
+            except (OSError, TypeError):
+                pass
+    parts += [forward_source(c) for c in m.children()]
+    return "\n".join(parts)
+
+
 def find_matches(model: nn.Module, rules: Sequence[Rule]) -> list[Match]:
     """Plan: every (rule, target) that fits, in rule order, at most one rule per overridden object.
 
@@ -219,8 +237,7 @@ def find_matches(model: nn.Module, rules: Sequence[Rule]) -> list[Match]:
                     continue
                 if type(mod).__module__.startswith("torch.nn.") and not any(True for _ in mod.children()):
                     continue  # torch's own leaf modules: their forward is one aten call
-                src = forward_source(mod)
-                if not any(h in src for h in rule.hints):
+                if not any(h in code_text(mod) for h in rule.hints):
                     continue
                 claimed.add((id(mod), "forward"))
                 traced[id(mod)] = Match(rule, path, mod, {"traced": [rule]}, source=source_of(mod))

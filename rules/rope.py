@@ -41,12 +41,14 @@ def find(model: nn.Module) -> list[tuple[str, object, str, dict]]:
         for attr, fn in list(vars(ns).items()):
             if not _candidate(fn, ns):
                 continue
-            if _partial(fn, q, k, cos, sin):
-                continue  # rotates only part of the head dim (GPT-NeoX, Phi-2): the kernel rotates all
             if behaves_like(lambda fn=fn: torch.cat([t.flatten() for t in fn(q, k, cos, sin)]),
                             lambda: torch.cat([t.flatten() for t in ref(q, k, cos, sin)]), dtype):
                 users = sorted({type(c).__name__ for c in model.modules() if type(c).__module__ == ns.__name__})
-                out.append((f"{ns.__name__}.{attr}", ns, attr, {"classes": users}))
+                # A function that also takes a cos narrower than the head dim rotates part of it
+                # (GPT-NeoX, Phi-3): the kernel rotates all of it, so such calls keep the original.
+                out.append((f"{ns.__name__}.{attr}", ns, attr,
+                            {"classes": users, "partial": _partial(fn, q, k, cos, sin),
+                             "calls": {"fused": 0, "original": 0}}))
     return out
 
 
@@ -76,7 +78,13 @@ def _candidate(fn, ns) -> bool:
 def replace_fn(original, params: dict):
     fused = kernel_fn(KERNEL)
 
+    partial, calls = params.get("partial", False), params.setdefault("calls", {"fused": 0, "original": 0})
+
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if partial and cos.shape[-1] != q.shape[-1]:
+            calls["original"] += 1
+            return original(q, k, cos, sin, *args, **kwargs)
+        calls["fused"] += 1
         return fused(q, k, cos, sin, *args, **kwargs)
 
     apply_rotary_pos_emb.__wrapped_original__ = original

@@ -251,3 +251,33 @@ def test_planted_noisy_is_undecided(tmp_path):
     assert "within the spread" in p["reason"] and p["spread_ms"] > 5
     assert doc["kept"] == [] and doc["records"]["after"] == []
     assert "none is kept" in doc["recommendation"] and "--compare" in doc["recommendation"]
+
+
+_COMPILED = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))
+model = torch.compile(model, backend="eager")  # Dynamo without a C++ toolchain
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(40):
+    loss = model(torch.randn(4, 16)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_compiled_script_declines_the_ablation(tmp_path):
+    from kprof.patching.apply import apply
+
+    script = tmp_path / "compiled.py"
+    script.write_text(_COMPILED)
+    root = tmp_path / "runs"
+    profile_script(str(script), [], warmup=1, steps=2, out_root=root)
+    res = apply(str(script), patch="layer_norm", out_root=root)
+    assert res.ablation is None and "compiles its model" in res.declined
+    assert res.kept == [] and res.write_lines == ""
+    (row,) = res.suggestions.to_dict("records")
+    assert row["verdict"] == "not measured" and not row["kept"]
+    assert "--compare" in res.recommendation
+    assert res.to_dict()["ablation_declined"] == res.declined

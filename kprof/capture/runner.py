@@ -75,6 +75,8 @@ SHAPES_STEP_RANGE = "kprof.shapes_step#0"
 # The profiler exports no shapes for a TensorList longer than this (torch's
 # TENSOR_LIST_DISPLAY_LENGTH_LIMIT); kprof writes them into the trace from the profiler's events.
 TRACE_TENSORLIST_LIMIT = 30
+# Stopped shapes-step profilers, never freed (see _retire_shapes_profiler).
+_RETIRED_SHAPES_PROFILERS: list = []
 
 # Auto step mode: outermost-module calls without any optimizer step before kprof decides the
 # script has no training step. 16 > common gradient-accumulation factors when no optimizer was
@@ -999,10 +1001,8 @@ class _Session:
             self.shapes_trace = path
         except Exception as e:
             self.warnings.append(f"could not export the shapes step's trace: {e!r}; ops have no shapes")
-        # Keep this profiler's results alive until the next one has stopped: ranges opened under
-        # it (the Optimizer.step range around the step boundary) close under the next one, whose
-        # exit callback writes their end time into this one's event storage. Freed, that crashed
-        # the process (torch 2.13 on this CPU, most runs of test_script_too_short_...).
+        # Kept alive past the timing profiler's stop: ranges opened under it (the Optimizer.step
+        # range around the step boundary) end under the next one; see _retire_shapes_profiler.
         self.shapes_prof = prof
 
     def _start_timing_profiler(self) -> None:
@@ -1085,6 +1085,8 @@ class _Session:
         self.trace_path = path
 
     def _drop_shapes_trace(self) -> None:
+        if self.shapes_prof is not None:
+            _retire_shapes_profiler(self.shapes_prof)
         self.shapes_prof = None
         if self.shapes_trace is not None:
             try:
@@ -1272,6 +1274,19 @@ def _rename_partial_step(path: str, index: int) -> None:
             f.write(text)
     except OSError:
         pass
+
+
+def _retire_shapes_profiler(prof: Any) -> None:
+    """Keep a stopped shapes-step profiler for the life of the process.
+
+    Freeing its results crashed the process later, in the garbage collector or in a later
+    profiler session (torch 2.13 on this CPU: 1 run in 2 of tests/profile/test_runner.py in one
+    process, also when freed one run later after a gc.collect(); never with every one kept). A
+    range entered while it recorded (the Optimizer.step range around the step boundary) ends under
+    the timing profiler and writes into its results; what else keeps a pointer into them was not
+    found. Costs the memory of one step's host events per profiled run in the process (one for
+    `kprof profile`)."""
+    _RETIRED_SHAPES_PROFILERS.append(prof)
 
 
 def _full_tensorlists(prof: Any, warnings_: list[str]) -> dict:

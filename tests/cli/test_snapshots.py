@@ -4,9 +4,9 @@ The runs are built by kprof's real analysis (kprof.analyze.profile.analyse and b
 from the checked-in tiny Llama CPU trace (tests/data/llama_cpu.json.gz) with fixed step times,
 so every number is reproducible; `apply` has its expensive part (re-running the script) patched
 out with a fixed result. Each output is compared with tests/cli/snapshots/<name>-<width>.txt
-after normalizing the temporary folder; on top of that, no line may be wider than the terminal
-and no "…" may appear (rich's sign of a cut cell). Then `--json` of every command: one JSON
-document on stdout, nothing else.
+(run in the store's parent folder, so no temporary path shows; the version is masked). On top
+of that, no line may be wider than the terminal and no "…" may appear (rich's sign of a cut
+cell). Then `--json` of every command: one JSON document on stdout, nothing else.
 
 After an intended change of the output:  KPROF_UPDATE_SNAPSHOTS=1 pytest tests/cli
 """
@@ -76,15 +76,11 @@ def root(tmp_path_factory):
     return root
 
 
-def _normalize(text: str, root: Path) -> str:
-    text = text.replace(str(root.parent), "<tmp>")
-    from kprof import __version__
-
-    return text.replace(__version__, "<version>")
-
-
-def _invoke(monkeypatch, width: int, args: list[str]) -> str:
-    """`kprof ARGS` in-process with COLUMNS=width, consoles made as at the start of a process."""
+def _invoke(monkeypatch, root: Path, width: int, args: list[str]) -> str:
+    """`kprof ARGS --out runs` in-process in the store's parent folder (paths print the same in
+    every temporary folder), with COLUMNS=width and consoles made as at the start of a process."""
+    monkeypatch.chdir(root.parent)
+    args = [*args, "--out", root.name]
     monkeypatch.setenv("COLUMNS", str(width))
     out = Console()  # rich reads COLUMNS when the console is made
     for mod in (cli, patch_cmds):
@@ -92,7 +88,9 @@ def _invoke(monkeypatch, width: int, args: list[str]) -> str:
         monkeypatch.setattr(mod, "err_console", Console(stderr=True))
     res = CliRunner().invoke(cli.app, args, env={"COLUMNS": str(width)})
     assert res.exit_code == 0, res.output + repr(res.exception)
-    return res.stdout
+    from kprof import __version__
+
+    return res.stdout.replace(__version__, "<version>")
 
 
 def check(name: str, width: int, text: str) -> None:
@@ -114,7 +112,7 @@ def check(name: str, width: int, text: str) -> None:
 
 @pytest.mark.parametrize("width", WIDTHS)
 def test_report(root, monkeypatch, width):
-    text = _normalize(_invoke(monkeypatch, width, ["report", RUN, "--out", str(root)]), root)
+    text = _invoke(monkeypatch, root, width, ["report", RUN])
     for word in ("Top 15 ops", "model.layers.0", "ms/step", "Host syncs", "losses[-1].item()"):
         assert word in text, word
     check("report", width, text)
@@ -122,14 +120,14 @@ def test_report(root, monkeypatch, width):
 
 @pytest.mark.parametrize("width", WIDTHS)
 def test_runs(root, monkeypatch, width):
-    text = _normalize(_invoke(monkeypatch, width, ["runs", "--out", str(root)]), root)
+    text = _invoke(monkeypatch, root, width, ["runs"])
     assert all(name in text for name in (RUN, FAILED, BROKEN))  # whole run names, never cut
     check("runs", width, text)
 
 
 @pytest.mark.parametrize("width", WIDTHS)
 def test_suggest(root, monkeypatch, width):
-    text = _normalize(_invoke(monkeypatch, width, ["suggest", RUN, "--out", str(root)]), root)
+    text = _invoke(monkeypatch, root, width, ["suggest", RUN])
     # One ranking: the unfused optimizer (a diagnosis) saves more than any kernel of this tiny
     # model and comes first; the host sync, unknown saving on a CPU run, comes last.
     ids = re.findall(r"^(?:│\s*)?(\d+)\s+(?:│\s*)?([a-z_]+)\b", text, flags=re.M)
@@ -178,7 +176,7 @@ def _apply_result(root: Path):
 def test_apply(root, monkeypatch, width):
     res = _apply_result(root)
     monkeypatch.setattr("kprof.patching.apply.apply", lambda *a, **kw: res)
-    text = _normalize(_invoke(monkeypatch, width, ["apply", "train_llama.py", "--out", str(root)]), root)
+    text = _invoke(monkeypatch, root, width, ["apply", "train_llama.py"])
     assert "first losses" in text and "reverted" in text
     check("apply", width, text)
 
@@ -215,8 +213,7 @@ def test_apply_compare(root, monkeypatch, width):
     from kprof.patching.compare import CompareResult
 
     monkeypatch.setattr("kprof.patching.compare.compare", lambda *a, **kw: CompareResult.from_dict(COMPARE))
-    text = _normalize(_invoke(monkeypatch, width, ["apply", "train_llama.py", "--compare", "--out", str(root)]),
-                      root)
+    text = _invoke(monkeypatch, root, width, ["apply", "train_llama.py", "--compare"])
     for word in ("kprof+compile", "1.31x", "verdict:", "compile failed"):
         assert word in text, word
     check("apply-compare", width, text)

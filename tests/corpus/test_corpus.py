@@ -17,7 +17,7 @@ import torch
 from kprof.kernels.common import TOLERANCE
 from kprof.patching.install import patch as kprof_patch
 
-from models import EXPECTED, GAPS, STYLES, B, T, V
+from models import EXPECTED, GAPS, STYLES, UNFUSED, B, T, V
 
 pytest.importorskip("transformers")
 
@@ -61,6 +61,10 @@ def test_style_installs_its_patterns_and_trains_like_eager(name):
     assert installed == EXPECTED[name] - GAPS.get(name, set()), str(report)
     assert not report.failed and not report.pending, str(report)
 
+    for r in report.records:  # RoPE's record counts which calls ran the kernel
+        if r.rule == "rope":
+            fused = r.params["calls"]["fused"]
+            assert (fused == 0) == (r.rule in UNFUSED.get(name, set())), (name, r.params)
     assert _rel(loss.detach(), loss_ref.detach()) <= TOL.rtol
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         if q.grad is not None:
