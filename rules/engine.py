@@ -198,8 +198,8 @@ def forward_source(m: nn.Module) -> str:
 
 def code_text(m: nn.Module) -> str:
     """The source a module's forward runs itself: its forward, the plain functions of its module
-    it calls by name (a `rmsnorm(x, w, eps)` helper), and its direct children's forwards (an
-    activation module whose forward is `F.silu`)."""
+    it calls by name (a `rmsnorm(x, w, eps)` helper), and the forwards of its parameter-free leaf
+    children (an activation module whose forward is `F.silu`)."""
     fwd = inspect.unwrap(type(m).forward)
     parts = [forward_source(m)]
     glb = getattr(fwd, "__globals__", {})
@@ -210,7 +210,8 @@ def code_text(m: nn.Module) -> str:
                 parts.append(inspect.getsource(f))
             except (OSError, TypeError):
                 pass
-    parts += [forward_source(c) for c in m.children()]
+    parts += [forward_source(c) for c in m.children()  # parameter-free leaves only: activations
+              if not any(True for _ in c.parameters()) and not any(True for _ in c.children())]
     return "\n".join(parts)
 
 
@@ -239,8 +240,15 @@ def find_matches(model: nn.Module, rules: Sequence[Rule]) -> list[Match]:
                     continue  # torch's own leaf modules: their forward is one aten call
                 if not any(h in code_text(mod) for h in rule.hints):
                     continue
-                claimed.add((id(mod), "forward"))
-                traced[id(mod)] = Match(rule, path, mod, {"traced": [rule]}, source=source_of(mod))
+                params = {"traced": [rule]}
+                kinds = {p.kind for p in inspect.signature(type(mod).forward).parameters.values()}
+                if kinds & {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
+                    # known before any call: reported as declined, the module-level rules go on
+                    params["untraceable"] = ("forward takes *args/**kwargs, which the graph trace can't bind; "
+                                             "module-level rules only for this module")
+                else:
+                    claimed.add((id(mod), "forward"))
+                traced[id(mod)] = Match(rule, path, mod, params, source=source_of(mod))
                 out.append(traced[id(mod)])
             continue
         if rule.find is not None:

@@ -103,7 +103,7 @@ class ConcreteTracer(fx.Tracer):
                     v = _get(self.root, target)
                 else:
                     v = None
-        except Exception as e:  # noqa: BLE001  the op failed on the real values: say which
+        except Exception as e:
             raise Untraceable(f"{n.format_node()} failed on the call's values: {type(e).__name__}: {e}") from e
         self.values[n] = v
         return p
@@ -168,7 +168,7 @@ def trace_call(m: nn.Module, args: tuple, kwargs: dict) -> Traced:
         graph = tracer.trace(m, concrete_args=constants or None)
     except Untraceable:
         raise
-    except Exception as e:  # noqa: BLE001  fx's own refusals (control flow, unsupported Python)
+    except Exception as e:
         raise Untraceable(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     finally:
         made = [k for k in vars(m) if k.startswith("_tensor_constant")]

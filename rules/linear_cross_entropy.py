@@ -18,12 +18,12 @@ returns `LazyLogits`, a tensor that holds (hidden, W, b) and stands for F.linear
 - anything else (printing, argmax, a softcap `tanh`, returning it to code that reads it)
   materialises the logits exactly as the head would have, so the result is unchanged.
 
-Verification: the model's first call compares the patched model's outputs and gradients (loss
-from the fused kernel where the model computes it, materialised logits otherwise) with the
-original's. Where the loss is computed outside the model, the first cross-entropy on lazy logits
-checks the fused loss and its gradients against the eager loss on the same values (the rule of
-kprof/patching/verify.py: error against an fp32 truth at most twice eager's plus one rounding);
-if it fails, every later call takes the eager path and `state["failed"]` says why.
+Verification: the head's first call compares its (materialised) output with the original's; the
+first cross-entropy on lazy logits, wherever it is called, checks the fused loss and its gradients
+against the eager loss on the same values (the rule of kprof/patching/verify.py: error against an
+fp64 truth at most twice eager's plus one rounding); if that fails, every later call takes the
+eager path and `state["failed"]` says why. The head Linear's forward is the patched object (the
+model's own forward stays free for the traced rules).
 """
 
 from __future__ import annotations
@@ -65,24 +65,24 @@ def find_head(model: nn.Module) -> str | None:
     return best[1] if best else None
 
 
-def match(path: str, m: nn.Module) -> dict | None:
-    if path != "":
-        return None  # one head per model, patched from the top so verification covers the loss
-    head = find_head(m)
+def find(model: nn.Module) -> list[tuple[str, nn.Module, str, dict]]:
+    """The head, patched where it is: the forward of the head Linear itself, so the model's own
+    forward (and any traced rewrite of it) stays free."""
+    head = find_head(model)
     if head is None:
-        return None
-    return {"head": head, "state": {"checked": False, "failed": "", "fused_calls": 0}}
+        return []
+    return [(head, model.get_submodule(head), "forward",
+             {"state": {"checked": False, "failed": "", "fused_calls": 0}})]
 
 
-def replace(m: nn.Module, p: dict) -> dict:
-    head = m.get_submodule(p["head"])
+def replace(head: nn.Module, p: dict) -> dict:
     state = p["state"]
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         dtype = _autocast_dtype(x) or torch.promote_types(x.dtype, head.weight.dtype)
         return LazyLogits(x, head.weight, head.bias, dtype, state)
 
-    return {p["head"]: forward}
+    return {"": forward}
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
@@ -293,8 +293,9 @@ RULE = Rule(
     id="linear_cross_entropy",
     title="lm head + cross-entropy -> fused linear cross-entropy (no logits in memory)",
     kernels=(KERNEL,),
-    match=match,
+    match=None,
     replace=replace,
+    find=find,
     profile=ProfilePattern(own_any=("log_softmax", "nll_loss", "cross_entropy_loss", "nll_loss_nd"), root_only=True,
                            evidence=("own:log_softmax", "own:nll_loss", "own:nll_loss_forward", "own:to",
                                      "own:_to_copy", "own:copy_", "own:log_softmax_backward_data",

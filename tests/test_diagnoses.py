@@ -23,7 +23,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     out = {}
     for name in ("item_sync", "adamw_loop", "adamw_foreach", "adamw_fused"):
-        out[name] = profile_script(str(SCRIPTS / f"{name}.py"), ["--iters", "6"], warmup=1, steps=2, out_root=root)
+        out[name] = profile_script(str(SCRIPTS / f"{name}.py"), ["--iters", "7"], warmup=1, steps=2, out_root=root)
     return out
 
 

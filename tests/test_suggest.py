@@ -308,3 +308,23 @@ def test_host_bound_caveat_saved_and_rendered_once(gpt_run, tmp_path):
     out = Console(record=True, width=400)
     render_plan(plan, run.name, path, out=out)
     assert "caveat:" not in out.export_text() and "GPU busy only" not in out.export_text()
+
+
+def test_one_ranking_of_suggestions_and_diagnoses():
+    from kprof.plan.suggest import plan_doc, ranked
+    from kprof.store import Run
+
+    nan = math.nan
+    plan = pd.DataFrame({"id": ["k_big", "k_small", "k_unknown"], "saving ms/step": [5.0, 1.0, nan],
+                         "ms/step": [9.0, 2.0, 3.0], "caveat": ["", "", ""]})
+    diag = pd.DataFrame({"id": ["d_unknown", "d_big"], "saving ms/step": [nan, 7.0], "ms/step": [nan, 8.0],
+                         "evidence": ["e1", "e2"]})
+    both = ranked(plan, diag)
+    # by saving, a diagnosis above the kernels it beats; unknown savings last, by measured time
+    assert list(both["id"]) == ["d_big", "k_big", "k_small", "k_unknown", "d_unknown"]
+    assert list(both["rank"]) == [1, 2, 3, 4, 5] and list(both["kind"])[:2] == ["diagnosis", "kernel"]
+    doc = plan_doc(Run(path=Path("."), summary={"script": "x.py"}), plan, diag)
+    # plan.json keeps its two lists, in their own order, each record with its rank in the one list
+    assert [(s["id"], s["rank"]) for s in doc["suggestions"]] == [("k_big", 2), ("k_small", 3), ("k_unknown", 4)]
+    assert [(s["id"], s["rank"]) for s in doc["diagnoses"]] == [("d_unknown", 5), ("d_big", 1)]
+    assert list(ranked(plan.iloc[:0])["rank"]) == []

@@ -12,6 +12,7 @@ writes the run directory. Rendering is kprof/cli/render.py's job.
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import os
 import platform
 import tempfile
@@ -41,6 +42,7 @@ def profile_script(
     out_root: str | os.PathLike = store.DEFAULT_ROOT,
     progress: Progress | None = None,
     on_root_module: Callable | None = None,
+    shapes_every_step: bool = False,
 ) -> Run:
     """Profile `script` and save the run under `out_root`; returns the saved Run.
 
@@ -48,6 +50,10 @@ def profile_script(
     (partial) run saved: check `run.summary["status"]` ("completed" | "stopped" | "error" |
     "interrupted"). If it fails before any step was recorded there is nothing to save and a
     KprofError carries the script's traceback.
+
+    Op shapes are recorded on one step after the recorded ones; `shapes_every_step` records them
+    on every recorded step instead (ops whose shapes vary from step to step: MoE dispatch, packed
+    sequences), at the cost of profiler overhead on the timed ops.
     """
     from kprof.capture.runner import RunConfig, run_script
 
@@ -56,7 +62,7 @@ def profile_script(
 
     with tempfile.TemporaryDirectory(prefix="kprof-trace-") as trace_dir:
         cfg = RunConfig(warmup=warmup, steps=steps, run_to_end=run_to_end, step_mode=step_mode,
-                        trace_dir=trace_dir, on_root_module=on_root_module)
+                        trace_dir=trace_dir, on_root_module=on_root_module, shapes_every_step=shapes_every_step)
         # Raises KprofError (exit code 2) for a missing script or bad --steps/--warmup/--step.
         raw = run_script(script, list(argv or []), cfg, progress=progress)
 
@@ -159,7 +165,7 @@ def build_summary(raw, a: dict | None) -> dict[str, Any]:
     # on a CPU the time some op ran, measured in the recorded steps.
     basis = a.get("basis") or {}
     busy = basis.get("busy %")
-    busy = None if busy is None or busy != busy else busy
+    busy = busy if busy is not None and math.isfinite(busy) else None
     overhead_pct = None if a["overhead"] is None else 100.0 * a["overhead"]
     return {
         "format": store.FORMAT,
@@ -216,7 +222,7 @@ def _figure_basis(basis: dict, overhead_pct: float | None, raw) -> dict:
     slower = f"{overhead_pct:+.0f}%" if overhead_pct is not None else "an unknown amount"
     return {
         "step": basis.get("basis") or "none",
-        "step ms": None if step_us is None or step_us != step_us else step_us / 1e3,
+        "step ms": step_us / 1e3 if step_us is not None and math.isfinite(step_us) else None,
         "op times": "profiled steps",
         "shapes": shapes,
         "note": (f"% of step, busy, idle and savings are of the {basis.get('basis') or 'unknown'} (median); "

@@ -75,8 +75,6 @@ SHAPES_STEP_RANGE = "kprof.shapes_step#0"
 # The profiler exports no shapes for a TensorList longer than this (torch's
 # TENSOR_LIST_DISPLAY_LENGTH_LIMIT); kprof writes them into the trace from the profiler's events.
 TRACE_TENSORLIST_LIMIT = 30
-# Stopped shapes-step profilers, never freed (see _retire_shapes_profiler).
-_RETIRED_SHAPES_PROFILERS: list = []
 
 # Auto step mode: outermost-module calls without any optimizer step before kprof decides the
 # script has no training step. 16 > common gradient-accumulation factors when no optimizer was
@@ -88,6 +86,8 @@ AUTO_FORWARD_AFTER_CALLS_WITH_OPTIMIZER = 512
 # Steps run with the profiler started but not recording (torch.profiler.schedule's `warmup`):
 # Kineto/CUPTI set-up and Dynamo recompiles triggered by kprof's torch-function mode land here.
 PROFILER_WARMUP_STEPS = 1
+# Steps run after the recorded ones to record op shapes (and stacks, host syncs) for them.
+SHAPES_STEPS = 1
 
 StepMode = str  # "auto" | "optimizer" | "forward"
 _STEP_MODES = ("auto", "optimizer", "forward")
@@ -142,7 +142,7 @@ class RawRun:
     warnings: list[str] = field(default_factory=list)
     syncs_cpu: list[dict] = field(default_factory=list)  # would-be syncs, for a run that used no GPU
     shapes_recorded: str = "shapes step"  # "shapes step" | "every step": where op shapes come from
-    sync_steps: int = 0  # steps the host-sync detector watched (the shapes step)
+    sync_steps: int = 0  # steps the host-sync detector watched (profiler warm-up and shapes steps)
 
 
 class _StopScript(BaseException):
@@ -412,8 +412,9 @@ class _Session:
         self.trace_path: str | None = None
         self.detector: SyncDetector | None = None
         self.shapes_handle: Any = None  # the open SHAPES_STEP_RANGE
+        self.shapes_pending = False  # the shapes step starts at the next outermost forward
+        self.paused_detector: SyncDetector | None = None  # off during the recorded steps
         self.shapes_trace: str | None = None  # the shapes step's exported trace
-        self.shapes_prof: Any = None  # the shapes step's stopped profiler (see _end_shapes_step)
         self.full_lists: dict = {}  # (op, start us) -> full TensorList records (see _full_tensorlists)
         self.sync_steps = 0
         self.syncs: list[dict] = []
@@ -649,6 +650,8 @@ class _Session:
             st = self._stack()
             if not st:
                 self._outermost_call(module)  # may raise _StopScript / _AbortRun
+                if self.shapes_pending and threading.get_ident() == self.main_thread:
+                    self._start_shapes_step()
                 st = self._stack()  # a boundary may have reset the stacks
             if self.quiet:  # this call's boundary started the timing phase
                 return None
@@ -874,6 +877,10 @@ class _Session:
         self.tokens_cur = 0
         self.scaled.clear()
 
+        if e == r1 + 1 and (self.shapes_handle is not None or self.shapes_pending):
+            self.shapes_pending = False  # a step with no forward: no shapes, see _finish_profiler
+            self._complete_shapes_step()  # may raise _StopScript
+            return
         if w <= e <= t_end:
             self.timed.mark()
             if self.cfg.on_step is not None:
@@ -887,19 +894,29 @@ class _Session:
                     raise _StopScript()
         if e == t_end:
             self._start_profiler()
-        if e == r0 and self.prof is not None:
-            # Before the mark: the profiler's start-up is not part of a recorded step.
-            self._start_timing_profiler()
         if r0 <= e <= r1:
             self.prof_marks.mark()
         if r0 < e <= r1:
             self._close_step_range(complete=True)
+        if e == r0 and self.detector is not None and not self.cfg.shapes_every_step:
+            # Off the timed steps; back for the shapes step (the same counts, see _start_sync_detector).
+            self.detector.uninstall()
+            self.paused_detector, self.detector = self.detector, None
+        if e == r0 and self.prof is not None:
+            try:
+                if self.cuda_run and torch.cuda.is_initialized():
+                    torch.cuda.reset_peak_memory_stats()
+                    self.cuda_base = torch.cuda.memory_allocated()
+                self.prof.start_trace()
+                self.trace_started = True
+            except Exception as e_:
+                self._profiler_failed(e_)
         if r0 <= e < r1 and self.trace_started:
             j = e - r0
             self.step_handle = torch.ops.profiler._record_function_enter_new(f"{STEP_RANGE_PREFIX}{j}", None)
             self.step_open = j
-            if self.detector is not None:
-                self.detector.step = j
+            if self.detector is not None:  # shapes_every_step: 0 is the profiler warm-up step
+                self.detector.step = j + 1
 
         self._set_quiet(w <= e < t_end)
 
@@ -922,14 +939,28 @@ class _Session:
 
         if e == r1:
             self._finish_profiler(complete=True)
-            self.done = True
-            if not self.cfg.run_to_end:
-                self.stop_message = (
-                    f"kprof stopped the script after {self.steps_recorded} recorded steps "
-                    f"({self.steps_before} warm-up, {s} timed, {p} profiler warm-up, {s} recorded); "
-                    "pass --run-to-end to let it finish."
-                )
-                raise _StopScript()
+            if self.trace_path is not None and self.cfg.record_shapes and not self.cfg.shapes_every_step:
+                # One more step: the sync detector watches all of it, the shapes profiler starts
+                # at its first outermost forward (see _start_shapes_step).
+                self.shapes_pending = True
+                self._start_sync_detector()
+                if self.detector is not None:
+                    self.detector.step = 1
+                    self.sync_steps += 1
+                return
+            self._stop_after_recording()
+
+    def _stop_after_recording(self) -> None:
+        s, p = self.cfg.steps, PROFILER_WARMUP_STEPS
+        self.done = True
+        if not self.cfg.run_to_end:
+            shapes = " + 1 with shapes" if self.sync_steps == 1 or self.full_lists or self.shapes_trace else ""
+            self.stop_message = (
+                f"kprof stopped the script after {self.steps_recorded} recorded steps "
+                f"({self.steps_before} warm-up, {s} timed, {p} profiler warm-up, {s} recorded{shapes}); "
+                "pass --run-to-end to let it finish."
+            )
+            raise _StopScript()
 
     def _activities(self) -> list:
         from torch.profiler import ProfilerActivity
@@ -937,30 +968,34 @@ class _Session:
         return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda_run else [])
 
     def _start_profiler(self) -> None:
-        """Start the shapes step: the profiler warm-up step (CUPTI start-up and recompiles land
-        here), recorded with shapes, stacks (if asked) and the host-sync detector. Recording
-        shapes and stacks and detecting syncs add host time to every op (the profiled step ran
-        +105-160% slower than the unprofiled one on the H200 runs with all three on every step),
-        so the recorded steps that time the ops run without them; their shapes come from this step
-        (trace.op_table matches the ops)."""
+        """Prepare the profiler that times the recorded steps; the profiler warm-up step follows
+        (CUPTI start-up and recompiles land there). It records no shapes, no stacks and runs no
+        sync detector, which add host time to every op (the profiled step ran +105-160% slower
+        than the unprofiled one on the H200 runs with all three on): those are recorded in one
+        more step after the recorded ones (`_start_shapes_step`), whose shapes trace.op_table
+        gives the timed steps' ops. With shapes_every_step, this profiler records them all."""
         from torch.profiler import profile
 
+        every = self.cfg.shapes_every_step
         try:
-            self.prof = profile(activities=self._activities(), record_shapes=self.cfg.record_shapes,
-                                with_stack=self.cfg.with_stack)
-            self.prof.start()
+            self.prof = profile(activities=self._activities(), record_shapes=self.cfg.record_shapes and every,
+                                with_stack=self.cfg.with_stack and every)
+            self.prof.prepare_trace()
         except Exception as e:
             self._profiler_failed(e)
             return
         self.annotating = True
         self._close_all_ranges()  # nesting restarts clean with ranges on
-        self.shapes_handle = torch.ops.profiler._record_function_enter_new(SHAPES_STEP_RANGE, None)
+        self._start_sync_detector()  # the profiler warm-up step: not timed (and the shapes step)
+        if self.detector is not None:
+            self.detector.step = 0
+            self.sync_steps = 1 + (self.cfg.steps if every else 0)
+
+    def _start_sync_detector(self) -> None:
         stack_len = torch._C._len_torch_function_stack()
         if stack_len == 0:
-            self.detector = SyncDetector(self.script, cuda_run=self.cuda_run)
+            self.detector = self.paused_detector or SyncDetector(self.script, cuda_run=self.cuda_run)
             self.detector.install()
-            self.detector.step = 0
-            self.sync_steps = 1
         else:
             # A mode pushed before the boundary and popped after it would pop ours instead.
             self.warnings.append(
@@ -968,13 +1003,49 @@ class _Session:
                 "was active at the step boundary"
             )
 
+    def _start_shapes_step(self) -> None:
+        """One more step after the recorded ones, at its first outermost forward (no range is
+        open there: a range entered under one profiler session and ended under the next
+        corrupted the heap, torch 2.13), recorded with shapes, stacks (if asked) and the sync
+        detector. It ends at the next step boundary (`_complete_shapes_step`)."""
+        from torch.profiler import profile
+
+        self.shapes_pending = False
+        try:
+            self.prof = profile(activities=self._activities(), record_shapes=self.cfg.record_shapes,
+                                with_stack=self.cfg.with_stack)
+            self.prof.start()
+        except Exception as e:
+            self.warnings.append(f"torch.profiler failed to start the shapes step: {e!r}; ops have no shapes")
+            self.prof = None
+            self._stop_after_recording()
+            return
+        self.annotating = True
+        self._close_all_ranges()
+        self.shapes_handle = torch.ops.profiler._record_function_enter_new(SHAPES_STEP_RANGE, None)
+
+    def _complete_shapes_step(self) -> None:
+        """End the shapes step, merge it into the recorded steps' trace, stop the script."""
+        self._end_shapes_step()
+        self._stop_sync_detector()
+        self._close_all_ranges()
+        self.annotating = False
+        if self.shapes_trace is not None and self.trace_path is not None:
+            try:
+                _merge_shapes_step(self.trace_path, self.shapes_trace, self.full_lists)
+            except (OSError, ValueError, KeyError) as e:
+                self.warnings.append(f"could not merge the shapes step into the trace: {e!r}; ops have no shapes")
+        self._drop_shapes_trace()
+        self._stop_after_recording()
+
     def _stop_sync_detector(self) -> None:
-        if self.detector is not None:
-            self.detector.uninstall()
+        d = self.detector or self.paused_detector
+        if d is not None:
+            d.uninstall()
             # Both sets: whether the script used the GPU (not whether there is one) is decided from
             # the trace by the analysis; a CPU script on a GPU machine gets the would-be syncs.
-            self.syncs = self.detector.summary(cuda_used=self.cuda_run)
-            self.syncs_cpu = self.detector.summary(cuda_used=False)
+            self.syncs = d.summary(cuda_used=self.cuda_run)
+            self.syncs_cpu = d.summary(cuda_used=False)
             self.detector = None
 
     def _end_shapes_step(self) -> None:
@@ -994,33 +1065,15 @@ class _Session:
             self.warnings.append(f"torch.profiler failed to stop after the shapes step: {e!r}")
             return
         self.full_lists = _full_tensorlists(prof, self.warnings)
-        fd, path = tempfile.mkstemp(prefix="kprof-shapes-", suffix=".trace.json", dir=self.cfg.trace_dir)
-        os.close(fd)
         try:
+            if self.cfg.trace_dir:
+                os.makedirs(self.cfg.trace_dir, exist_ok=True)
+            fd, path = tempfile.mkstemp(prefix="kprof-shapes-", suffix=".trace.json", dir=self.cfg.trace_dir)
+            os.close(fd)
             prof.export_chrome_trace(path)
             self.shapes_trace = path
         except Exception as e:
             self.warnings.append(f"could not export the shapes step's trace: {e!r}; ops have no shapes")
-        # Kept alive past the timing profiler's stop: ranges opened under it (the Optimizer.step
-        # range around the step boundary) end under the next one; see _retire_shapes_profiler.
-        self.shapes_prof = prof
-
-    def _start_timing_profiler(self) -> None:
-        """End the shapes step, start the profiler that times the recorded steps: no shapes
-        (unless shapes_every_step), no stacks, no sync detector."""
-        from torch.profiler import profile
-
-        self._end_shapes_step()
-        try:
-            if self.cuda_run and torch.cuda.is_initialized():
-                torch.cuda.reset_peak_memory_stats()
-                self.cuda_base = torch.cuda.memory_allocated()
-            self.prof = profile(activities=self._activities(), record_shapes=self.cfg.shapes_every_step,
-                                with_stack=False)
-            self.prof.start()
-            self.trace_started = True
-        except Exception as e_:
-            self._profiler_failed(e_)
 
     def _profiler_failed(self, e: Exception) -> None:
         self.warnings.append(f"torch.profiler failed to start: {e!r}; no trace recorded")
@@ -1043,8 +1096,13 @@ class _Session:
         """Stop recording, export the trace if any step was recorded. Safe to call twice."""
         partial = self.step_open if (self.step_handle is not None and not complete) else None
         self._close_step_range(complete=complete)
-        if self.shapes_handle is not None:  # the script ended inside the shapes step
-            self._end_shapes_step()
+        if self.shapes_handle is not None:  # the script ended inside the shapes step: keep it
+            self._complete_shapes_step_at_end()
+            return
+        if self.shapes_pending:
+            self.shapes_pending = False
+            self.warnings.append("the script ended before the step that records op shapes (one more after "
+                                 "the recorded steps); ops have no shapes, so their costs are unknown")
         self._close_all_ranges()
         self.annotating = False
         self._stop_sync_detector()
@@ -1076,18 +1134,15 @@ class _Session:
             return
         if partial is not None:
             _rename_partial_step(path, partial)
-        if self.shapes_trace is not None and not self.cfg.shapes_every_step:
-            try:
-                _merge_shapes_step(path, self.shapes_trace, self.full_lists)
-            except (OSError, ValueError, KeyError) as e:
-                self.warnings.append(f"could not merge the shapes step into the trace: {e!r}; ops have no shapes")
-        self._drop_shapes_trace()
         self.trace_path = path
 
+    def _complete_shapes_step_at_end(self) -> None:
+        try:
+            self._complete_shapes_step()
+        except _StopScript:
+            pass
+
     def _drop_shapes_trace(self) -> None:
-        if self.shapes_prof is not None:
-            _retire_shapes_profiler(self.shapes_prof)
-        self.shapes_prof = None
         if self.shapes_trace is not None:
             try:
                 os.remove(self.shapes_trace)
@@ -1102,6 +1157,10 @@ class _Session:
             torch.ops.profiler._record_function_exit._RecordFunction(self.shapes_handle)
             self.shapes_handle = None
         self._drop_shapes_trace()
+        self.shapes_pending = False
+        if self.paused_detector is not None:
+            self.paused_detector.uninstall()
+            self.paused_detector = None
         self.full_lists = {}
         self.sync_steps = 0
         self._close_all_ranges()
@@ -1188,7 +1247,7 @@ class _Session:
                 f"the script ended after {self.steps_recorded} of {self.cfg.steps} recorded steps "
                 f"(step definition: {self.step_definition()}); it needs "
                 f"{self.cfg.warmup} warm-up + {self.cfg.steps} timed + {PROFILER_WARMUP_STEPS} profiler warm-up "
-                f"+ {self.cfg.steps} recorded steps. Run it longer or lower --warmup/--steps."
+                f"+ {self.cfg.steps} recorded + {SHAPES_STEPS} shapes steps. Run it longer or lower --warmup/--steps."
             )
         elif status == "interrupted":
             message = f"interrupted; {self.steps_recorded} recorded steps kept"
@@ -1274,19 +1333,6 @@ def _rename_partial_step(path: str, index: int) -> None:
             f.write(text)
     except OSError:
         pass
-
-
-def _retire_shapes_profiler(prof: Any) -> None:
-    """Keep a stopped shapes-step profiler for the life of the process.
-
-    Freeing its results crashed the process later, in the garbage collector or in a later
-    profiler session (torch 2.13 on this CPU: 1 run in 2 of tests/profile/test_runner.py in one
-    process, also when freed one run later after a gc.collect(); never with every one kept). A
-    range entered while it recorded (the Optimizer.step range around the step boundary) ends under
-    the timing profiler and writes into its results; what else keeps a pointer into them was not
-    found. Costs the memory of one step's host events per profiled run in the process (one for
-    `kprof profile`)."""
-    _RETIRED_SHAPES_PROFILERS.append(prof)
 
 
 def _full_tensorlists(prof: Any, warnings_: list[str]) -> dict:

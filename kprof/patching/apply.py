@@ -187,7 +187,7 @@ def _dynamo_graphs() -> int:
         from torch._dynamo.utils import counters
 
         return int(counters["stats"]["unique_graphs"])
-    except Exception:  # internals moved: judge by what the runner's hooks can see instead
+    except Exception:  # internals moved: taken as not compiled (the after run's loss watch still checks)
         return 0
 
 
@@ -306,10 +306,11 @@ def recommend(res: ApplyResult, plan: dict, script: str, root) -> str:
     else:
         head = ""
     if res.kept:
-        tot = a.total if a is not None else None
-        got = (f", measured {tot.saving_ms:.3g} ms/step with every group on" if tot is not None and tot.kept else "")
-        return (head + f"keep {', '.join(res.kept)} ({len(res.kept)} rule(s){got}): `kprof apply {script} "
-                f"--write FILE`; {compile_txt}")
+        b, af = res.before_ms, res.after_ms
+        got = f"; step {b:.3g} -> {af:.3g} ms run alone" if b == b and af == af else ""
+        losers = " (--keep-losers: not all of them won)" if a is None or set(res.kept) - set(a.kept_rules) else ""
+        return (head + f"keep {', '.join(res.kept)}{losers}{got}: `kprof apply {script} --write FILE`; "
+                f"{compile_txt}")
     return (head + f"no patch made the step significantly faster here, so none is kept: leave the model as it is; "
             f"{compile_txt}{code}")
 

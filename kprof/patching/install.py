@@ -342,6 +342,10 @@ def patch(
     for m in find_matches(model, chosen):
         params = {"candidate_for": [r.id for r in m.params["traced"]]} if m.deferred else dict(m.params)
         rec = PatchRecord(m.rule.id, m.path, m.source, params, module=m.is_module)
+        if m.deferred and "untraceable" in m.params:  # said per module; nothing installed
+            rec.status, rec.note = "declined", m.params["untraceable"]
+            report.declined.append(rec)
+            continue
         if on_cpu and not interpreter_enabled() and m.rule.kernels:
             cuda_only = [k for k in m.rule.kernels if (s := kernel_spec(k)) is not None and s.cuda_only]
             rec.note = ("CPU without the Triton interpreter: the kernel runs its PyTorch reference"

@@ -56,7 +56,8 @@ def find(ops, summary: dict) -> list[Finding]:
     # The detector counts in every step it watched; that can include a last step the script
     # ended inside (steps_recorded counts finished steps only), so count the steps it saw too.
     watched = {int(x) for s in syncs for x in (s.get("steps") or [])}
-    n = max(n_steps(ops, summary), len(watched))
+    # Runs since the detector left the timed steps say how many steps it watched.
+    n = int(summary.get("sync_steps") or 0) or max(n_steps(ops, summary), len(watched))
     gpu = is_gpu_run(summary)
     sites = sorted(syncs, key=lambda s: (-int(s["count"]), str(s.get("file")), int(s.get("line") or 0)))
     details = [{"file": s.get("file"), "line": s.get("line"), "code": s.get("code", ""), "kind": s.get("kind", ""),

@@ -13,19 +13,18 @@ import warnings
 
 import pytest
 import torch
+from models import EXPECTED, GAPS, STYLES, UNFUSED, B, T, V
 
 from kprof.kernels.common import TOLERANCE
 from kprof.patching.install import patch as kprof_patch
-
-from models import EXPECTED, GAPS, STYLES, UNFUSED, B, T, V
 
 pytest.importorskip("transformers")
 
 TOL = TOLERANCE[torch.float32]
 
 
-def _params(style):
-    return [pytest.param(n, marks=pytest.mark.slow) if s.slow else n for n, s in STYLES.items()]
+def _params(styles):
+    return [pytest.param(n, marks=pytest.mark.slow) if s.slow else n for n, s in styles.items()]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -85,7 +84,7 @@ def test_style_installs_its_patterns_and_trains_like_eager(name):
 @pytest.mark.parametrize("name", sorted(GAPS))
 def test_gaps_are_still_gaps(name):
     """A gap that starts installing must move into EXPECTED (keeps the list honest)."""
-    style, ref, model, _, _, report = _patched(name)
+    style, _, model, _, _, report = _patched(name)
     x = torch.randint(0, V, (B, T + 1), generator=torch.Generator().manual_seed(1))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

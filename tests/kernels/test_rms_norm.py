@@ -314,7 +314,7 @@ def test_property_scale_invariant(rows, cols, scale, seed):
     torch.testing.assert_close(rms, torch.ones_like(rms), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("looped", [False, True])
+@pytest.mark.parametrize("looped", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_deterministic(looped, monkeypatch, device):
     cols = 781
     if looped:  # the looped path at a small width, as in test_looped_path_small
@@ -540,7 +540,10 @@ _DTYPE_PAIRS = [(p, o) for p in (torch.float32, torch.float64) for o in (torch.f
     "n_parts, n_cols, part_dtype, out_dtype",
     [(*shape, *dts) for shape in ((1, 1), (3, 7), (228, 781), (600, 33)) for dts in _DTYPE_PAIRS]
     # the benchmark's grid, in what bf16 and fp32 inputs use (4-5 s each in the interpreter)
-    + [pytest.param(264, 4096, *dts, marks=pytest.mark.slow) for dts in [(torch.float32, torch.bfloat16), (torch.float64, torch.float32)]],
+    + [
+        pytest.param(264, 4096, *dts, marks=pytest.mark.slow)
+        for dts in [(torch.float32, torch.bfloat16), (torch.float64, torch.float32)]
+    ],
     ids=lambda v: str(v).replace("torch.", ""),
 )
 def test_sum_partials_exact(n_parts, n_cols, part_dtype, out_dtype, device):

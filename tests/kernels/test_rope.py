@@ -87,6 +87,7 @@ def test_matches_reference(shape, dtype, unsqueeze_dim, device):
     _check(*_make(shape, dtype, device, unsqueeze_dim), unsqueeze_dim=unsqueeze_dim)
 
 
+@pytest.mark.slow
 def test_huge_head_dim(device):
     """head_dim 65536 (half 32768 = 256 blocks of 128) loops instead of erroring."""
     _check(*_make((1, 1, 2, 1, 65536), torch.bfloat16, device))

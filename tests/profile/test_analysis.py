@@ -153,3 +153,29 @@ def test_pipeline_on_real_cpu_trace():
     assert cb["% of step"].sum() == pytest.approx(100.0)
     top = analysis.top_ops(ops, 2, 10, ceilings=CEIL, idle=idle)
     assert len(top) == 10 and top["time/step (ms)"].is_monotonic_decreasing
+
+
+def test_every_figure_is_on_the_unprofiled_step():
+    """The H200 case of issue 20: 'profile' said GPU busy 16.5% of the profiled step where
+    'suggest' said 44% of the unprofiled one. Busy 4 ms in a 10 ms profiled window, 5 ms
+    unprofiled step: busy 80%, idle 1 ms, and % of step over 5 ms, in tables and modules alike."""
+    from kprof.analyze.modules import busy_share, step_ms
+
+    idle = pd.DataFrame({"step": [0, 1], "window (us)": [10000.0, 10000.0], "busy (us)": [4000.0, 4000.0],
+                         "idle (us)": [6000.0, 6000.0], "idle (%)": [60.0, 60.0]})
+    b = analysis.idle_basis(idle, plain_ms=5.0)
+    assert b == {"step (us)": 5000.0, "busy (us)": 4000.0, "idle (us)": 1000.0, "busy %": 80.0,
+                 "basis": "unprofiled step"}
+    ops = pd.DataFrame([row("aten::mm", 1e9, 1e6, 3000.0), row("aten::add", 1e6, 1e6, 1000.0, dtype="float32")])
+    ops = analysis.roofline(ops, CEIL)
+    cb = analysis.class_breakdown(ops, idle, n_steps=1, plain_ms=5.0).set_index("class")
+    assert cb.loc["compute-bound", "% of step"] == pytest.approx(60.0)  # 3 ms of 5
+    assert cb.loc["idle", "time/step (ms)"] == pytest.approx(1.0)
+    top = analysis.top_ops(ops, 1, idle=idle, plain_ms=5.0)
+    assert top["% of step"].tolist() == pytest.approx([60.0, 20.0])
+    # the summary's view (suggest, diagnoses, the host-bound caveat) gives the same numbers
+    summary = {"device": {"type": "cuda"}, "idle_by_step": idle.to_dict("records"), "step_time_ms": {"median": 5.0}}
+    assert busy_share(summary)["busy %"] == pytest.approx(80.0) and step_ms(summary) == pytest.approx(5.0)
+    # no unprofiled steps: the profiled window, said so
+    b = analysis.idle_basis(idle, plain_ms=None)
+    assert b["step (us)"] == 10000.0 and b["busy %"] == 40.0 and b["basis"] == "profiled step"

@@ -21,6 +21,8 @@ from kprof.capture.runner import (
     MODULE_RANGE_PREFIX,
     PARTIAL_STEP_RANGE_PREFIX,
     PROFILER_WARMUP_STEPS,
+    SHAPES_STEP_RANGE,
+    SHAPES_STEPS,
     STEP_RANGE_PREFIX,
     RunConfig,
     run_script,
@@ -39,13 +41,15 @@ def run(name: str, *argv: str, tmp_path: Path, **cfg):
 
 
 def kprof_ranges(trace_path: str) -> list[dict]:
-    """The CPU-side kprof ranges (record_function user annotations) of an exported trace."""
+    """The CPU-side kprof ranges (record_function user annotations) of an exported trace, outside
+    the shapes step (the profiler warm-up step merged into the trace for its shapes)."""
     with open(trace_path) as f:
         events = json.load(f)["traceEvents"]
-    return [
-        e for e in events
-        if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name", "").startswith("kprof.")
-    ]
+    ranges = [e for e in events
+              if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name", "").startswith("kprof.")]
+    shapes = [e for e in ranges if e["name"] == SHAPES_STEP_RANGE]
+    return [e for e in ranges if e["name"] != SHAPES_STEP_RANGE
+            and not any(w["ts"] <= e["ts"] <= w["ts"] + w["dur"] for w in shapes)]
 
 
 def line_of(script: str, marker: str) -> int:
@@ -82,7 +86,7 @@ def test_training_loop_steps_ranges_losses_and_cleanup(tmp_path):
 
     # Steps run until the stop: 2 warm-up + 3 timed + 1 profiler warm-up + 3 recorded, and the
     # losses are the ones the same loop computes without kprof.
-    n_steps = 2 + 3 + PROFILER_WARMUP_STEPS + 3
+    n_steps = 2 + 3 + PROFILER_WARMUP_STEPS + 3 + SHAPES_STEPS
     sys.path.insert(0, str(SCRIPTS))
     try:
         from tinylm import DEVICE, TinyLM, batch
@@ -140,7 +144,8 @@ def test_item_sync_is_attributed_to_its_line_and_second_root_gets_a_prefix(tmp_p
     assert s["file"] == str(SCRIPTS / "train_item.py")
     assert s["line"] == line_of("train_item.py", "kprof-test: item-sync")
     assert "loss.item()" in s["code"] and s["function"] == "<module>"
-    assert s["count"] == 2 and s["steps"] == [0, 1]  # once in each recorded step
+    # The detector watches the profiler warm-up step and the shapes step, off the timed steps.
+    assert s["count"] == 2 and s["steps"] == [0, 1] and r.sync_steps == 2
     assert s["would_sync_on_gpu"] is (not torch.cuda.is_available())
     # AdamW's own .item() on its host-side step counter is not the user's sync.
     assert not any("opt.step()" in x["code"] for x in r.syncs)
@@ -183,7 +188,8 @@ def test_grad_scaler_losses_are_unscaled(tmp_path):
     assert r.status == "stopped" and r.step_definition == "optimizer.step (AdamW)"
     # backward() sees loss * 1024; the recorded loss is the one before scaling: a random
     # 64-way classifier starts near ln(64) = 4.16.
-    assert len(r.losses) == 6 and all(3.0 < l < 5.5 for l in r.losses), r.losses
+    # 1 warm-up + 2 timed + 1 profiler warm-up + 2 recorded + 1 shapes step
+    assert len(r.losses) == 7 and all(3.0 < l < 5.5 for l in r.losses), r.losses
 
 
 def test_forward_step_mode_on_a_training_script(tmp_path):
@@ -635,3 +641,50 @@ def test_cpu_only_script_on_a_cuda_machine_reports_rss_peak(tmp_path, monkeypatc
     assert r.status == "stopped" and r.steps_recorded == 2, r.message
     assert r.peak_memory_bytes and r.peak_memory_bytes > 10 * 2**20
     assert "RSS" in r.peak_memory_label
+
+
+def test_shapes_on_one_step_times_on_the_others(tmp_path):
+    """One step after the recorded ones is recorded with shapes and merged into the trace under
+    SHAPES_STEP_RANGE; the recorded steps are timed without shapes. shapes_every_step records
+    them on every recorded step instead, with no extra step."""
+    r = run("train_mlp.py", tmp_path=tmp_path, warmup=1, steps=2)
+    assert r.status == "stopped" and r.steps_recorded == 2 and r.shapes_recorded == "shapes step"
+    with open(r.trace_path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    window = next(e for e in events if e.get("name") == SHAPES_STEP_RANGE)
+    steps = [e for e in events if e.get("name", "").startswith(STEP_RANGE_PREFIX)]
+    assert len(steps) == 2 and all(s["ts"] + s["dur"] <= window["ts"] for s in steps)
+    ops = [e for e in events if e.get("cat") == "cpu_op" and e["name"] == "aten::addmm"]
+    inside = [e for e in ops if window["ts"] <= e["ts"] <= window["ts"] + window["dur"]]
+    timed = [e for e in ops if any(s["ts"] <= e["ts"] <= s["ts"] + s["dur"] for s in steps)]
+    assert inside and all("Input Dims" in e["args"] for e in inside)
+    assert timed and not any("Input Dims" in e["args"] for e in timed)
+    # no trace files left behind but the run's own
+    assert sorted(p.name for p in tmp_path.iterdir()) == [Path(r.trace_path).name]
+
+    r = run("train_mlp.py", tmp_path=tmp_path / "every", warmup=1, steps=2, shapes_every_step=True)
+    assert r.shapes_recorded == "every step"
+    with open(r.trace_path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    assert not any(e.get("name") == SHAPES_STEP_RANGE for e in events)
+    assert all("Input Dims" in e["args"] for e in events if e.get("cat") == "cpu_op" and e["name"] == "aten::addmm")
+
+
+def test_long_tensorlists_get_their_shapes(tmp_path):
+    """foreach AdamW over 40 parameters: the trace export drops lists longer than 30 ("[0 tensors]"
+    in the op table); the runner writes them from the profiler's events."""
+    script = tmp_path / "forty.py"
+    script.write_text(
+        "import torch, torch.nn as nn\n"
+        "m = nn.Sequential(*[nn.Linear(4, 4) for _ in range(20)])  # 40 parameters\n"
+        "opt = torch.optim.AdamW(m.parameters(), foreach=True)\n"
+        "for _ in range(12):\n"
+        "    m(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()\n")
+    r = run_script(str(script), [], RunConfig(warmup=1, steps=2, trace_dir=str(tmp_path)))
+    assert r.status == "stopped", r.error
+    with open(r.trace_path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
+    lerp = [e for e in events if e["name"] == "aten::_foreach_lerp_" and "Input Dims" in e["args"]]
+    assert lerp, "the shapes step's foreach AdamW"
+    dims = lerp[0]["args"]["Input Dims"]
+    assert len(dims[0]) == 40 and dims[0][:2] == [[4, 4], [4]] and len(dims[1]) == 40
