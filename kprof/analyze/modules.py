@@ -176,6 +176,7 @@ def step_ms(summary: dict) -> float:
     return float((summary.get("step_time_ms") or {}).get("median")
                  or (summary.get("profiled_step_time_ms") or {}).get("median") or math.nan)
 
+
 def host_bound(summary: dict) -> dict | None:
     """gpu_busy(summary) with the caveat for kernel rows when the GPU is busy less than
     HOST_BOUND_BUSY_PCT of the step; None when it isn't host-bound (or can't be told)."""

@@ -70,7 +70,8 @@ STEP_RANGE_PREFIX = "kprof.step#"
 # trace so that analysis, which reads `kprof.step#<n>`, only sees complete steps.
 PARTIAL_STEP_RANGE_PREFIX = "kprof.partial_step#"
 # The profiler warm-up step, recorded with shapes (and stacks, if asked) and the host-sync
-# detector on; the recorded steps that follow are timed with neither (see `_start_timing_profiler`).
+# detector on; the recorded steps that follow are timed without shapes or stacks (see
+# `_start_timing_profiler`), with the detector still on (a sync every N steps needs the steps).
 SHAPES_STEP_RANGE = "kprof.shapes_step#0"
 # The profiler exports no shapes for a TensorList longer than this (torch's
 # TENSOR_LIST_DISPLAY_LENGTH_LIMIT); kprof writes them into the trace from the profiler's events.
@@ -142,7 +143,7 @@ class RawRun:
     warnings: list[str] = field(default_factory=list)
     syncs_cpu: list[dict] = field(default_factory=list)  # would-be syncs, for a run that used no GPU
     shapes_recorded: str = "shapes step"  # "shapes step" | "every step": where op shapes come from
-    sync_steps: int = 0  # steps the host-sync detector watched (profiler warm-up and shapes steps)
+    sync_steps: int = 0  # steps the host-sync detector watched (profiler warm-up, recorded, shapes)
 
 
 class _StopScript(BaseException):
@@ -411,9 +412,9 @@ class _Session:
         self.cuda_base = 0  # CUDA memory allocated when the recorded steps began
         self.trace_path: str | None = None
         self.detector: SyncDetector | None = None
+        self.stopped_detector: SyncDetector | None = None  # restarted by _start_sync_detector
         self.shapes_handle: Any = None  # the open SHAPES_STEP_RANGE
         self.shapes_pending = False  # the shapes step starts at the next outermost forward
-        self.paused_detector: SyncDetector | None = None  # off during the recorded steps
         self.shapes_trace: str | None = None  # the shapes step's exported trace
         self.full_lists: dict = {}  # (op, start us) -> full TensorList records (see _full_tensorlists)
         self.sync_steps = 0
@@ -898,10 +899,6 @@ class _Session:
             self.prof_marks.mark()
         if r0 < e <= r1:
             self._close_step_range(complete=True)
-        if e == r0 and self.detector is not None and not self.cfg.shapes_every_step:
-            # Off the timed steps; back for the shapes step (the same counts, see _start_sync_detector).
-            self.detector.uninstall()
-            self.paused_detector, self.detector = self.detector, None
         if e == r0 and self.prof is not None:
             try:
                 if self.cuda_run and torch.cuda.is_initialized():
@@ -915,7 +912,9 @@ class _Session:
             j = e - r0
             self.step_handle = torch.ops.profiler._record_function_enter_new(f"{STEP_RANGE_PREFIX}{j}", None)
             self.step_open = j
-            if self.detector is not None:  # shapes_every_step: 0 is the profiler warm-up step
+            # The detector stays on through the recorded steps: a sync every N steps (a logged
+            # loss.item()) is seen only if enough steps are watched. 0 is the profiler warm-up step.
+            if self.detector is not None:
                 self.detector.step = j + 1
 
         self._set_quiet(w <= e < t_end)
@@ -943,9 +942,10 @@ class _Session:
                 # One more step: the sync detector watches all of it, the shapes profiler starts
                 # at its first outermost forward (see _start_shapes_step).
                 self.shapes_pending = True
-                self._start_sync_detector()
+                if self.detector is None:
+                    self._start_sync_detector()
                 if self.detector is not None:
-                    self.detector.step = 1
+                    self.detector.step = self.cfg.steps + 1
                     self.sync_steps += 1
                 return
             self._stop_after_recording()
@@ -989,12 +989,13 @@ class _Session:
         self._start_sync_detector()  # the profiler warm-up step: not timed (and the shapes step)
         if self.detector is not None:
             self.detector.step = 0
-            self.sync_steps = 1 + (self.cfg.steps if every else 0)
+            self.sync_steps = 1 + self.cfg.steps
 
     def _start_sync_detector(self) -> None:
         stack_len = torch._C._len_torch_function_stack()
         if stack_len == 0:
-            self.detector = self.paused_detector or SyncDetector(self.script, cuda_run=self.cuda_run)
+            # Restarted for the shapes step: the same detector, so its counts cover every watched step.
+            self.detector = self.stopped_detector or SyncDetector(self.script, cuda_run=self.cuda_run)
             self.detector.install()
         else:
             # A mode pushed before the boundary and popped after it would pop ours instead.
@@ -1039,14 +1040,14 @@ class _Session:
         self._stop_after_recording()
 
     def _stop_sync_detector(self) -> None:
-        d = self.detector or self.paused_detector
+        d = self.detector
         if d is not None:
             d.uninstall()
             # Both sets: whether the script used the GPU (not whether there is one) is decided from
             # the trace by the analysis; a CPU script on a GPU machine gets the would-be syncs.
             self.syncs = d.summary(cuda_used=self.cuda_run)
             self.syncs_cpu = d.summary(cuda_used=False)
-            self.detector = None
+            self.detector, self.stopped_detector = None, d
 
     def _end_shapes_step(self) -> None:
         """Close the shapes step: stop its profiler and export its trace (kept for the merge)."""
@@ -1158,11 +1159,9 @@ class _Session:
             self.shapes_handle = None
         self._drop_shapes_trace()
         self.shapes_pending = False
-        if self.paused_detector is not None:
-            self.paused_detector.uninstall()
-            self.paused_detector = None
         self.full_lists = {}
         self.sync_steps = 0
+        self.stopped_detector = None
         self._close_all_ranges()
         self.annotating = False
         self._set_quiet(False)

@@ -32,6 +32,7 @@ import pandas as pd
 
 from kprof import store
 from kprof.analyze.modules import group_paths, host_bound, module_table, roofline_us, script_sources
+from kprof.analyze.modules import step_ms as unprofiled_step_ms
 from kprof.errors import KprofError
 from kprof.rules.engine import evidence_ops, match_pattern
 
@@ -87,8 +88,7 @@ def suggest(run, rules: Sequence[Any] | None = None) -> pd.DataFrame:
     if ops is None or not len(ops):
         raise KprofError(f"run {run.name} has no ops; profile again (kprof profile SCRIPT)")
     n_steps = max(int(summary.get("steps_recorded") or ops["step"].nunique() or 1), 1)
-    step_ms = ((summary.get("profiled_step_time_ms") or {}).get("median")
-               or (summary.get("step_time_ms") or {}).get("median") or math.nan)
+    step_ms = unprofiled_step_ms(summary)  # the unprofiled step: one basis with profile's figures
     table = module_table(ops, summary.get("module_classes"))
     hb = host_bound(summary)
     rows = []

@@ -11,7 +11,7 @@ from typing import Callable
 
 import pandas as pd
 
-from kprof.analyze.modules import is_gpu_run  # noqa: F401  (re-exported for the diagnoses)
+from kprof.analyze.modules import is_gpu_run, step_ms  # noqa: F401  (re-exported for the diagnoses)
 
 
 @dataclass
@@ -39,12 +39,6 @@ class Diagnosis:
     id: str
     title: str
     find: Callable[[pd.DataFrame, dict], list[Finding]]
-
-
-def step_ms(summary: dict) -> float:
-    """The profiled step's median (ms): the steps the op table comes from."""
-    return float((summary.get("profiled_step_time_ms") or {}).get("median")
-                 or (summary.get("step_time_ms") or {}).get("median") or math.nan)
 
 
 def n_steps(ops: pd.DataFrame, summary: dict) -> int:
