@@ -256,7 +256,10 @@ def test_input_pipeline_on_gpu_saving_is_measured_idle():
              "loader idle (us)": idle - 100.0, "h2d copies": 1, "h2d pageable": 1, "h2d host (us)": 150.0,
              "h2d device (us)": 5.0, "h2d idle (us)": 100.0, "idle (us)": idle}
             for s, idle in enumerate((8000.0, 8500.0, 30000.0))]
-    s = _gpu_summary(input_wait_by_step=rows, profiled_step_time_ms={"median": 10.0}, steps_recorded=3,
+    s = _gpu_summary(input_wait_by_step=rows, profiled_step_time_ms={"median": 10.0},
+                     step_time_ms={"median": 10.0}, steps_recorded=3,
+                     idle_by_step=[{"step": t, "window (us)": 10000.0, "busy (us)": 1500.0,
+                                    "idle (us)": 8500.0} for t in range(3)],
                      script=str(SCRIPTS / "slow_loader.py"))
     (f,) = input_pipeline.find(pd.DataFrame(), s)
     assert f.saving_ms == pytest.approx(8.5)  # median over steps of the idle inside fetch + copy
@@ -274,7 +277,10 @@ def test_input_pipeline_no_false_alarm(case):
              "h2d idle (us)": 5.0, "idle (us)": 45.0} for s in (0, 1)]
     s = _gpu_summary(input_wait_by_step=[] if case == "no_loader" else fast)
     if case == "cpu_fast":  # 60 us in __next__ of a 2 ms CPU step: 3%, under the 5% bar
-        s |= {"device": {"type": "cpu", "cpu_count": 2}, "profiled_step_time_ms": {"median": 2.0}}
+        s |= {"device": {"type": "cpu", "cpu_count": 2}, "profiled_step_time_ms": {"median": 2.0},
+              "step_time_ms": {"median": 2.0},
+              "idle_by_step": [{"step": t, "window (us)": 2000.0, "busy (us)": 1900.0, "idle (us)": 100.0}
+                               for t in (0, 1)]}
     assert input_pipeline.find(pd.DataFrame(), s) == []
 
 

@@ -30,7 +30,7 @@ def runs(tmp_path_factory):
     from kprof.analyze.profile import profile_script
 
     root = tmp_path_factory.mktemp("runs")
-    return {name: profile_script(str(SCRIPTS / f"{name}.py"), ["--iters", "5"], warmup=1, steps=2, out_root=root)
+    return {name: profile_script(str(SCRIPTS / f"{name}.py"), ["--iters", "8"], warmup=1, steps=2, out_root=root)
             for name in ("manual_attention", "odd_vocab", "adamw_fused")}
 
 

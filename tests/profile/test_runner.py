@@ -144,8 +144,9 @@ def test_item_sync_is_attributed_to_its_line_and_second_root_gets_a_prefix(tmp_p
     assert s["file"] == str(SCRIPTS / "train_item.py")
     assert s["line"] == line_of("train_item.py", "kprof-test: item-sync")
     assert "loss.item()" in s["code"] and s["function"] == "<module>"
-    # The detector watches the profiler warm-up step and the shapes step, off the timed steps.
-    assert s["count"] == 2 and s["steps"] == [0, 1] and r.sync_steps == 2
+    # The detector watches the profiler warm-up step (0), the recorded steps (1, 2: a sync every
+    # N steps is seen only if enough steps are watched) and the shapes step (3), never the timed ones.
+    assert s["count"] == 4 and s["steps"] == [0, 1, 2, 3] and r.sync_steps == 4
     assert s["would_sync_on_gpu"] is (not torch.cuda.is_available())
     # AdamW's own .item() on its host-side step counter is not the user's sync.
     assert not any("opt.step()" in x["code"] for x in r.syncs)
