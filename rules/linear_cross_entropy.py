@@ -127,6 +127,10 @@ class LazyLogits(torch.Tensor):
         return f"LazyLogits(shape={tuple(self.shape)}, dtype={self.dtype})"
 
     @classmethod
+    # Dynamo must not trace this: it re-enters __torch_function__ from its own frame hooks and
+    # recursed without end on a patched HF Llama under torch.compile. Disabled, the lazy head
+    # runs eagerly between compiled graphs.
+    @torch.compiler.disable
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _META:

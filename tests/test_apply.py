@@ -224,10 +224,18 @@ def test_apply_end_to_end_on_hf_llama_gpu(tmp_path):
     root = tmp_path / "runs"
     profile_script(str(script), args, warmup=2, steps=3, out_root=root)
     res = apply(str(script), args, patch="all", out_root=root)
-    recs = [r for rep in res.reports for r in rep.records]
-    assert {r.rule for r in recs} == {"rms_norm", "gated_mlp", "rope", "linear_cross_entropy"}
+    # The ablation run installs and verifies every planned patch on the real kernels ...
+    recs = [r for rep in res.ablation_reports for r in rep.records]
+    assert {"rms_norm", "gated_mlp", "rope", "linear_cross_entropy"} <= {r.rule for r in recs}
     assert all(r.status == "verified" for r in recs), [(r.rule, r.path, r.verification and r.verification.summary()) for r in recs]
-    assert res.losses_agree is True
+    # ... and judges every group; the after run installs exactly the kept ones (which ones win
+    # on this tiny host-bound model is the measurement's business, not the test's).
+    a = res.ablation
+    assert a is not None and a.decisions and all(d.verdict in ("kept", "dropped", "undecided") for d in a.decisions)
+    kept = {rule for d in a.decisions if d.verdict == "kept" for rule in d.group}
+    assert set(res.kept) == kept
+    assert {r.rule for rep in res.reports for r in rep.records} <= kept
+    assert res.losses_agree is not False
     assert torch.cuda.is_available()
 
 

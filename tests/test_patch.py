@@ -380,7 +380,11 @@ def test_patch_bf16_on_gpu(name):
     model = copy.deepcopy(ref)
     x = torch.randint(0, V, (4, 33), device="cuda")  # repo GPT: block_size 32
     report = kprof_patch(model)
-    assert {r.rule for r in report.records} == set(EXPECTED[name]), str(report)
+    # The module-level rules as on the CPU; the graph rules (attention_sdpa, inline_fx) also bind
+    # where the installed transformers' forward traces (5.17 on the H200; 5.24's **kwargs
+    # attention is declined on the CPU), so there they may add patches, verified like the rest.
+    rules = {r.rule for r in report.records}
+    assert set(EXPECTED[name]) <= rules and rules - set(EXPECTED[name]) <= {"attention_sdpa", "inline_fx"}, str(report)
     ref_losses, _ = _train(name, ref, x)
     losses, _ = _train(name, model, x)
     assert all(r.status == "verified" for r in report.records), str(report)
@@ -407,6 +411,26 @@ def test_gated_mlp_at_llama_1b_shape_verifies_against_fp32_truth():
     assert r.status == "verified" and r.verification.method == "fp32 truth", str(report)
     assert all(c.error <= c.limit for c in r.verification.checks)
     report.unpatch()
+
+
+def test_patched_model_under_torch_compile_cpu():
+    """The lazy linear+CE head under Dynamo: it recursed without end (H200 and CPU alike) until
+    LazyLogits.__torch_function__ was kept out of the trace. Dynamo only (backend "eager"):
+    Inductor's CPU compile adds minutes and nothing this test checks."""
+    ref = _build("llama")
+    model = copy.deepcopy(ref)
+    x = torch.randint(0, V, (2, 33))
+    report = kprof_patch(model)
+    try:
+        _loss("llama", model, x).backward()
+        assert all(r.status == "verified" for r in report.records), str(report)
+        assert "linear_cross_entropy" in {r.rule for r in report.records}
+        loss = _loss("llama", torch.compile(model, backend="eager"), x)
+        loss.backward()
+        torch.testing.assert_close(loss, _loss("llama", ref, x))
+    finally:
+        report.unpatch()
+        torch._dynamo.reset()
 
 
 @pytest.mark.gpu

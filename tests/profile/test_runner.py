@@ -505,7 +505,8 @@ def test_gpu_run_times_with_cuda_events_and_sees_kernels_and_real_syncs(tmp_path
     assert r.peak_memory_label.startswith("torch.cuda.max_memory_allocated") and r.peak_memory_bytes > 0
     item = [s for s in r.syncs if s["kind"] == "Tensor.item"]
     assert len(item) == 1 and item[0]["real"] and not item[0]["would_sync_on_gpu"]
-    assert item[0]["count"] == 3
+    # watched: the profiler warm-up step, the 3 recorded steps and the shapes step
+    assert item[0]["count"] == 5 and item[0]["steps"] == [0, 1, 2, 3, 4]
     with open(r.trace_path) as f:
         events = json.load(f)["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel"]
