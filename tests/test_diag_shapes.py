@@ -387,7 +387,7 @@ def test_llama_1b_gpu_run_raises_no_alarm():
 def test_gpu_manual_attention_found(tmp_path):
     from kprof.analyze.profile import profile_script
 
-    run = profile_script(str(SCRIPTS / "manual_attention.py"), ["--device", "cuda", "--dtype", "bfloat16", "--iters", "8"],
+    run = profile_script(str(SCRIPTS / "manual_attention.py"), ["--device", "cuda", "--dtype", "bfloat16", "--iters", "12"],
                          warmup=2, steps=3, out_root=tmp_path)
     d = _mine(run).set_index("id")
     assert "manual_attention" in d.index, diagnose(run)
@@ -405,7 +405,7 @@ def test_gpu_odd_vocab_flagged_and_padded_vocab_not(tmp_path):
     from kprof.analyze.profile import profile_script
 
     script = str(SCRIPTS / "odd_vocab.py")
-    args = ["--device", "cuda", "--dtype", "bfloat16", "--iters", "8"]
+    args = ["--device", "cuda", "--dtype", "bfloat16", "--iters", "12"]
     odd = profile_script(script, args, warmup=2, steps=3, out_root=tmp_path)
     d = _mine(odd).set_index("id")
     assert "matmul_shapes" in d.index, diagnose(odd)

@@ -208,12 +208,13 @@ def test_gpu_fp32_matmul_flagged_and_tf32_run_not(tmp_path):
     from kprof.analyze.profile import profile_script
 
     script = str(SCRIPTS / "fp32_matmul.py")
-    off = profile_script(script, [], warmup=2, steps=3, out_root=tmp_path)
+    # 2 warm-up + 3 timed + 1 profiler warm-up + 3 recorded + the shapes step (its end is the 11th optimizer step)
+    off = profile_script(script, ["--iters", "11"], warmup=2, steps=3, out_root=tmp_path)
     d = diagnose(off).set_index("id")
     assert "fp32_matmul" in d.index, diagnose(off)
     row = d.loc["fp32_matmul"]
     assert 0 < row["saving ms/step"] < row["ms/step"]
-    on = profile_script(script, ["--tf32"], warmup=2, steps=3, out_root=tmp_path)
+    on = profile_script(script, ["--tf32", "--iters", "11"], warmup=2, steps=3, out_root=tmp_path)
     assert "fp32_matmul" not in _ids(on)
 
 
