@@ -297,6 +297,21 @@ def check_same_script(run, script: str) -> None:
                          f"(kprof profile {script}) or pass --run with one of its runs")
 
 
+def latest_kept(script: str, root: str | os.PathLike = DEFAULT_ROOT) -> tuple[str, list[str]] | None:
+    """The newest `kprof apply` of `script` under `root`: (its run name, the rule ids its ablation
+    kept). None when the script was never applied there."""
+    target = Path(script).resolve()
+    for p in reversed(list_runs(root)):
+        try:
+            doc = json.loads((p / APPLY).read_text())
+        except (OSError, ValueError):
+            continue
+        planned, kept = doc.get("script"), doc.get("kept")
+        if isinstance(planned, str) and isinstance(kept, list) and Path(planned).resolve() == target:
+            return p.name, [k for k in kept if isinstance(k, str)]
+    return None
+
+
 def is_plain_run(path) -> bool:
     """A run of the script as written: not the patched run of an `apply` (apply.json) nor a
     patched or compiled variant of `apply --compare` (compare.json naming another run as eager).

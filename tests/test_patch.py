@@ -8,6 +8,7 @@ Tiny configs (hidden 64) because every patched op runs through the Triton interp
 from __future__ import annotations
 
 import copy
+import json
 import importlib.util
 import sys
 from pathlib import Path
@@ -482,3 +483,39 @@ def test_repo_gpt_under_bf16_autocast_matches_and_verifies_every_rule():
     status = {(r.rule, r.path): r.status for r in report.records}
     assert {r for r, _ in status} >= {"layer_norm", "linear_gelu", "attention_sdpa", "linear_cross_entropy"}, status
     assert all(s == "verified" for s in status.values()), str(report)
+
+
+# ------------------------------------------------------------------------------------------
+# kprof.patch(model) without rules: what `kprof apply` kept for the running script.
+
+
+def _applied(root: Path, script: Path, name: str, kept: list[str]) -> None:
+    run = root / ".kprof" / "runs" / name
+    run.mkdir(parents=True)
+    (run / "apply.json").write_text(json.dumps({"script": str(script), "kept": kept}))
+
+
+@pytest.mark.parametrize("kept", [["rms_norm"], []])
+def test_patch_without_rules_installs_what_apply_kept(tmp_path, monkeypatch, kept):
+    script = tmp_path / "train.py"
+    script.write_text("# the user's script\n")
+    _applied(tmp_path, script, "20260101-000000-train", ["rms_norm", "gated_mlp"])  # older: ignored
+    _applied(tmp_path, script, "20260102-000000-train", kept)
+    _applied(tmp_path, tmp_path / "other.py", "20260103-000000-other", ["gated_mlp"])  # another script
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(script)])
+    report = kprof_patch(_build("llama"))
+    assert {r.rule for r in report.records} == set(kept), str(report)
+    assert "20260102-000000-train" in str(report)
+    report.unpatch()
+
+
+def test_patch_without_rules_and_without_apply_installs_every_rule(tmp_path, monkeypatch):
+    script = tmp_path / "train.py"
+    script.write_text("# the user's script\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(script)])
+    report = kprof_patch(_build("llama"))
+    assert {"rms_norm", "gated_mlp"} <= {r.rule for r in report.records}
+    assert "no `kprof apply` of this script" in str(report)
+    report.unpatch()

@@ -1,7 +1,8 @@
 """`kprof.patch(model)`: put kprof's fused kernels into a live model, proven on first use.
 
     import kprof
-    report = kprof.patch(model)                       # every built-in rule that matches
+    report = kprof.patch(model)                       # what `kprof apply` kept for this script
+    report = kprof.patch(model, rules="all")          # every built-in rule that matches
     report = kprof.patch(model, rules=["rms_norm", "gated_mlp"], strict=True)
     print(report)                                     # what matched where, and verification results
     report.unpatch()                                  # back to the original forwards
@@ -20,6 +21,7 @@ error; with `strict=True` the failure raises KprofError instead. Until its first
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -225,6 +227,7 @@ class PatchReport:
     # Traced candidates whose first call's graph held no pattern (moved out of `records`); each
     # note names the structural difference or why the forward could not be traced.
     declined: list[PatchRecord] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # how the rules were chosen
     _units: list[_Unit] = field(default_factory=list, repr=False)
     _optimizers: list = field(default_factory=list, repr=False)  # kprof.rules.optimizer.OptimizerPatch
     active: bool = True  # False after unpatch()
@@ -280,7 +283,7 @@ class PatchReport:
         ], columns=["rule", "path", "status", "source", "verification", "note"])
 
     def __str__(self) -> str:
-        lines = [f"kprof.patch: {len(self.records)} patch(es)"]
+        lines = [f"kprof.patch: {len(self.records)} patch(es)"] + [f"  {n}" for n in self.notes]
         for r in self.records:
             v = f"  [{r.verification.summary()}]" if r.verification else ""
             lines.append(f"  {r.rule:22s} {r.path or '<model>':40s} {r.status}{v}{'  ' + r.note if r.note else ''}")
@@ -310,6 +313,22 @@ def resolve_rules(rules: str | Sequence[Any] | None = None, rules_dir: str | Non
     return given + (select(pool, ids) if ids else [])
 
 
+def _default_rules() -> tuple[list[str] | str, str]:
+    """What `kprof.patch(model)` installs without `rules`: the kept set of the newest apply of
+    the running script (sys.argv[0]) in the default run store, else every rule."""
+    import sys
+
+    from kprof import store
+
+    script = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    found = store.latest_kept(script) if script and os.path.isfile(script) else None
+    if found is None:
+        return "all", ("every rule: no `kprof apply` of this script in .kprof/runs (run it to keep only the "
+                       "patches that make the step faster)")
+    run, kept = found
+    return kept, (f"the rules kprof apply kept ({run}): {', '.join(kept) or 'none'}; rules='all' installs every rule")
+
+
 def patch(
     model: nn.Module,
     rules: str | Sequence[Any] | None = None,
@@ -322,6 +341,10 @@ def patch(
 ) -> PatchReport:
     """Match `rules` on `model` and install the patches (see the module docstring).
 
+    `rules=None` (the default): the rules that the newest `kprof apply` of the running script
+    kept (apply.json under .kprof/runs), so a script never installs what its ablation found
+    slower; every rule when the script was never applied. `rules="all"`: every rule.
+
     `optimizer`: a torch.optim.Adam/AdamW/SGD stepping per parameter or per list is switched to
     its fused step (foreach where fused can't run) in place, state and hyperparameters kept,
     after one step on copies proved the same (kprof/rules/optimizer.py); recorded as rule
@@ -331,8 +354,12 @@ def patch(
 
     if not isinstance(model, nn.Module):
         raise KprofError(f"kprof.patch needs an nn.Module, got {type(model).__name__}")
+    notes = []
+    if rules is None:
+        rules, note = _default_rules()
+        notes.append(note)
     chosen = resolve_rules(rules, rules_dir)
-    report = PatchReport()
+    report = PatchReport(notes=notes)
     for r in chosen:
         if not r.applyable and (r.missing_kernels() or rules not in (None, "all")):
             why = (f"kernel(s) {', '.join(r.missing_kernels())} not in this kprof install" if r.missing_kernels()
