@@ -30,7 +30,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import pandas as pd
 
@@ -103,24 +103,51 @@ def save_run(
 
     `name` defaults to `<YYYYmmdd-HHMMSS>-<script stem>` from `summary["script"]` and now.
     """
+    def fill(tmp: Path) -> dict:
+        _write_ops(ops, tmp / OPS)
+        if trace_path:
+            _gzip_copy(Path(trace_path), tmp / TRACE)
+        return {"summary": SUMMARY, "ops": OPS, "trace": TRACE if trace_path else None}
+
+    return _save_atomic(summary, fill, root, name)
+
+
+RANKS = "ranks"  # in a multi-process run: one complete run folder per rank, ranks/rank<N>
+
+
+def save_group(summary: dict, lead: Path, ranks: Sequence[Path], *, root: str | os.PathLike = DEFAULT_ROOT) -> Path:
+    """One run of a multi-process job: `lead`'s (rank 0's) ops and trace with the merged
+    `summary` at the top, and every rank's complete run folder moved under ranks/. Atomic like
+    save_run: the folder appears complete or not at all."""
+    def fill(tmp: Path) -> dict:
+        for f in (OPS, TRACE):
+            if (lead / f).exists():
+                shutil.copy2(lead / f, tmp / f)
+        (tmp / RANKS).mkdir()
+        for r in ranks:
+            shutil.move(str(r), str(tmp / RANKS / r.name))
+        return {"summary": SUMMARY, "ops": OPS, "trace": TRACE if (tmp / TRACE).exists() else None, "ranks": RANKS}
+
+    return _save_atomic(summary, fill, root, None)
+
+
+def _save_atomic(summary: dict, fill, root, name: str | None) -> Path:
+    """A hidden temporary folder under `root`, filled by `fill(tmp)` (which returns the files
+    map), summary.json written last (its presence marks a complete run: see load_summary), then
+    renamed to a free name; removed again on any failure."""
     root = ensure_root(root)
     base = name or run_dir_name(summary.get("script", "script"), _dt.datetime.now())
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{base}-", dir=root))
     try:
         summary = dict(summary)
         summary.setdefault("format", FORMAT)
-        summary["files"] = {"summary": SUMMARY, "ops": OPS, "trace": TRACE if trace_path else None}
-        _write_ops(ops, tmp / OPS)
-        if trace_path:
-            _gzip_copy(Path(trace_path), tmp / TRACE)
-        # summary.json last: its presence marks a complete run (see load_summary).
+        summary["files"] = fill(tmp)
         with open(tmp / SUMMARY, "w") as f:
             json.dump(jsonable(summary), f, indent=1, allow_nan=False)
-        final = rename_free(tmp, root, base)
+        return rename_free(tmp, root, base)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return final
 
 
 def ensure_root(root: str | os.PathLike, *, exit_code: int = 1) -> Path:

@@ -15,8 +15,10 @@ import datetime as _dt
 import math
 import os
 import platform
+import re
 import tempfile
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import pandas as pd
@@ -43,6 +45,7 @@ def profile_script(
     progress: Progress | None = None,
     on_root_module: Callable | None = None,
     shapes_every_step: bool = False,
+    nproc_per_node: int | None = None,
 ) -> Run:
     """Profile `script` and save the run under `out_root`; returns the saved Run.
 
@@ -54,8 +57,17 @@ def profile_script(
     Op shapes are recorded on one step after the recorded ones; `shapes_every_step` records them
     on every recorded step instead (ops whose shapes vary from step to step: MoE dispatch, packed
     sequences), at the cost of profiler overhead on the timed ops.
+
+    `nproc_per_node`: run the script under torchrun with that many processes, each rank
+    profiling itself; returns the merged run (rank 0's tables at the top, every rank's run
+    under ranks/, summary["distributed"] with the per-rank view). Run under the user's own
+    torchrun (RANK and WORLD_SIZE set), the same happens without it.
     """
     from kprof.capture.runner import RunConfig, run_script
+
+    if nproc_per_node is not None:
+        return _profile_job(script, list(argv or []), nproc_per_node, warmup=warmup, steps=steps,
+                            run_to_end=run_to_end, step_mode=step_mode, out_root=out_root)
 
     notify = progress or (lambda event, **info: None)
     store.ensure_root(out_root, exit_code=2)  # a bad --out fails now, not after the whole run
@@ -83,8 +95,95 @@ def profile_script(
                              f"trace. The run's measurements and raw trace are saved in {path}.\n{tb.rstrip()}") from None
         summary = build_summary(raw, analysed)
         notify("save")
+        rank = rank_env()
+        if rank is not None:
+            return _save_rank(summary, ops, raw.trace_path, rank, out_root)
         path = store.save_run(summary, ops, raw.trace_path, root=out_root)
     return Run(path=path, summary=store.load_summary(path), _ops=ops)
+
+
+# --------------------------------------------------------------------------------------------
+# Multi-process jobs (torchrun): every rank profiles itself, rank 0 merges
+
+RANK_WAIT_S = 300.0  # rank 0 waits this long for the other ranks' runs (their analysis may lag)
+
+
+def rank_env() -> dict | None:
+    """{"rank", "world_size", "group"} when this process is one rank of a torchrun job of more
+    than one process, else None. `group` is the same on every rank of one launch: kprof's own
+    (KPROF_GROUP, from --nproc-per-node) or torchrun's run id and rendezvous address."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return None
+    if world <= 1:
+        return None
+    group = os.environ.get("KPROF_GROUP") or "-".join(
+        os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"))
+    return {"rank": rank, "world_size": world, "group": re.sub(r"[^A-Za-z0-9_.-]+", "_", group) or "job"}
+
+
+def _profile_job(script: str, argv: list[str], nproc: int, *, warmup: int, steps: int, run_to_end: bool,
+                 step_mode: str, out_root) -> Run:
+    from kprof.capture import launch
+
+    if not os.path.isfile(script):
+        raise KprofError(f"script {script} not found; pass the path of your training script", exit_code=2)
+    store.ensure_root(out_root, exit_code=2)
+    group = launch.new_group()
+    args = ["--warmup", str(warmup), "--steps", str(steps), "--step", step_mode, "--out", str(out_root)]
+    rc = launch.launch(script, argv, nproc, args + (["--run-to-end"] if run_to_end else []), group)
+    for p in reversed(store.list_runs(out_root)):
+        try:
+            s = store.load_summary(p)
+        except KprofError:
+            continue
+        if (s.get("distributed") or {}).get("group") == group:
+            return Run(path=p, summary=s)
+    code = 130 if rc == 130 else (rc or 1)
+    raise KprofError(f"the {nproc}-process job saved no merged run (torchrun exit code {rc}); the ranks' "
+                     f"output above says why, and runs a rank saved are under {out_root}/.ranks-{group}",
+                     exit_code=code)
+
+
+def _save_rank(summary: dict, ops: pd.DataFrame, trace_path: str, env: dict, out_root) -> Run:
+    """Save this rank's run under <out>/.ranks-<group>/rank<N> (hidden: not a run of its own);
+    rank 0 then waits for the others and saves the merged run (store.save_group)."""
+    import shutil
+    import time
+
+    from kprof.analyze import distributed
+
+    rank, world = env["rank"], env["world_size"]
+    summary = summary | {"rank": rank, "world_size": world, "group": env["group"]}
+    staging = Path(out_root) / f".ranks-{env['group']}"
+    mine = staging / f"rank{rank}"
+    if mine.exists():  # left by an earlier launch that reused the rendezvous address
+        shutil.rmtree(mine, ignore_errors=True)
+    path = store.save_run(summary, ops, trace_path, root=staging, name=f"rank{rank}")
+    if rank != 0:
+        return Run(path=path, summary=summary, _ops=ops)
+
+    wait_s = float(os.environ.get("KPROF_RANK_WAIT_S", RANK_WAIT_S))
+    deadline = time.monotonic() + wait_s
+    want = [staging / f"rank{r}" for r in range(world)]
+    while not all((d / store.SUMMARY).exists() for d in want) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    found = [d for d in want if (d / store.SUMMARY).exists()]
+    merged = distributed.merge_ranks([store.load_summary(d) for d in found], world)
+    merged["group"] = env["group"]
+    top = summary | {"distributed": merged}
+    if merged["missing_ranks"]:
+        top["warnings"] = list(top.get("warnings") or []) + [
+            f"rank(s) {', '.join(map(str, merged['missing_ranks']))} saved no run within {wait_s:.0f} s "
+            f"(failed, or still analysing: a late one is kept in {staging})"]
+    final = store.save_group(top, lead=path, ranks=found, root=out_root)
+    try:
+        staging.rmdir()  # only if empty: a late rank's run stays
+    except OSError:
+        pass
+    return Run(path=final, summary=store.load_summary(final), _ops=ops)
 
 
 def load_run(path: str | os.PathLike | None = None, root: str | os.PathLike = store.DEFAULT_ROOT) -> Run:
@@ -107,7 +206,7 @@ def _nothing_recorded(raw) -> str:
 
 def analyse(raw) -> tuple[pd.DataFrame, dict]:
     """The per-op table with costs and roofline columns, plus the summary's analysed sections."""
-    from kprof.analyze import ceilings, costmodel, trace
+    from kprof.analyze import ceilings, costmodel, distributed, trace
     from kprof.analyze import tables as analysis
 
     events = trace.load_trace(raw.trace_path)
@@ -124,7 +223,8 @@ def analyse(raw) -> tuple[pd.DataFrame, dict]:
     # PyTorch's default (off), so fp32 matmuls are held to the fp32 peak.
     ops = analysis.roofline(ops, ceil, tf32=False)
     n = raw.steps_recorded
-    idle = analysis.idle_by_step(trace.kernel_table(events), trace.step_windows(events))
+    kernels = trace.kernel_table(events)
+    idle = analysis.idle_by_step(kernels, trace.step_windows(events))
     # Every % of step, busy and idle figure is on the unprofiled step (tables.step_basis).
     plain_ms = analysis.step_stats(raw.step_times_ms)["median"] if raw.step_times_ms else None
     out = {
@@ -141,6 +241,7 @@ def analyse(raw) -> tuple[pd.DataFrame, dict]:
         "overhead": analysis.overhead(raw.profiled_step_times_ms, raw.step_times_ms),
         # DataLoader fetches and host-to-device copies per step, with the GPU idle inside them (all
         # device activity counts as busy, also the previous step's tail that belongs to no step).
+        "communication": distributed.communication(kernels, n),
         "input_wait": analysis.input_wait_by_step(
             trace.input_ranges(events), events.device if events.device_type == "cuda" else None,
             events.steps["step"].tolist()),
@@ -207,6 +308,7 @@ def build_summary(raw, a: dict | None) -> dict[str, Any]:
         "top_ops": _records(a["top_ops"]),
         "idle_by_step": _records(idle),
         "input_wait_by_step": _records(a.get("input_wait")),
+        "communication": a.get("communication"),
         "syncs": list(raw.syncs),
         "sync_steps": getattr(raw, "sync_steps", 0),  # steps the sync detector watched
         "losses": list(raw.losses),

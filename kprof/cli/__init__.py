@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Iterator, Optional
@@ -128,23 +128,46 @@ def profile(
                                       "module) or auto (optimizer if the script has one).")] = StepMode.auto,
     out: Annotated[Path, typer.Option("--out", help="Run store directory.")] = store.DEFAULT_ROOT,
     json_out: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
+    nproc_per_node: Annotated[Optional[int], typer.Option("--nproc-per-node", help="Run SCRIPT under torchrun "
+                              "with N processes; every rank is profiled and rank 0 saves one merged run. "
+                              "Under your own torchrun this happens without the option.")] = None,
 ) -> None:
     """Run SCRIPT under the profiler and show where each step's time goes, on the roofline."""
-    from kprof.analyze.profile import profile_script
+    from kprof.analyze.profile import profile_script, rank_env
     from kprof.cli import render as report
 
     argv = list(ctx.args)
-    with stdout_to_stderr(json_out), _live() as live:
+    if nproc_per_node is not None:
+        if json_out:
+            from kprof.errors import KprofError
+
+            raise KprofError("--json goes with one process; with --nproc-per-node, run `kprof report --json` "
+                             "on the merged run afterwards", exit_code=2)
+        # The ranks print (rank 0 the merged report); this process only waits for them.
+        run = profile_script(str(script), argv, warmup=warmup, steps=steps, run_to_end=run_to_end,
+                             step_mode=step.value, out_root=out, nproc_per_node=nproc_per_node)
+        raise typer.Exit(_exit_code(run.summary))
+    rank = rank_env()
+    quiet = rank is not None and rank["rank"] != 0
+    with stdout_to_stderr(json_out), (nullcontext() if quiet else _live()) as live:
         run = profile_script(str(script), argv, warmup=warmup, steps=steps, run_to_end=run_to_end,
                              step_mode=step.value, out_root=out, progress=live)
+    if quiet:
+        err_console.print(f"kprof: rank {rank['rank']} of {rank['world_size']} recorded; rank 0 saves the merged run")
+        raise typer.Exit(_exit_code(run.summary))
     if json_out:
         print_json(_run_doc(run.summary, run.path))
     else:
         report.render(run.summary, run.path, console)
-    if run.summary.get("status") == "error":
-        raise typer.Exit(run.summary.get("exit_code") or 1)
-    if run.summary.get("status") == "interrupted":
-        raise typer.Exit(130)  # 128 + SIGINT, the shell's convention
+    raise typer.Exit(_exit_code(run.summary))
+
+
+def _exit_code(summary: dict) -> int:
+    if summary.get("status") == "error":
+        return summary.get("exit_code") or 1
+    if summary.get("status") == "interrupted":
+        return 130  # 128 + SIGINT, the shell's convention
+    return 0
 
 
 # --------------------------------------------------------------------------------------------

@@ -429,6 +429,32 @@ def syncs_table(summary: dict, width: int = 120) -> RenderableType:
     return t
 
 
+def ranks_table(summary: dict, width: int = 120) -> RenderableType | None:
+    """A multi-process run: one row per rank, then the skew, the slowest rank and the straggler."""
+    d = summary.get("distributed")
+    if not d:
+        return None
+    cols = [Col("rank", justify="right", number=True), Col("step ms", justify="right", number=True),
+            Col("comm ms/step", justify="right", number=True), Col("exposed", justify="right", number=True),
+            Col("loader ms", justify="right", number=True, drop=2), Col("busy %", justify="right", number=True, drop=1),
+            Col("status", drop=3)]
+    rows = [[str(r["rank"]), fmt_ms(r.get("step ms")), fmt_ms(r.get("comm ms/step")),
+             fmt_ms(r.get("exposed comm ms/step")), fmt_ms(r.get("loader ms/step")), fmt_pct(r.get("busy %"), 0),
+             str(r.get("status") or "")] for r in d.get("ranks") or []]
+    lines = []
+    if d.get("skew %") is not None:
+        lines.append(f"step time skew {fmt_pct(d['skew %'], 0)} (max - min over the median); slowest rank "
+                     f"{d.get('slowest rank')}, on which apply's before/after is judged")
+    st = d.get("straggler")
+    if st:
+        lines.append(f"straggler: rank {st['rank']}; the others wait {fmt_ms(st['others wait ms/step'])} ms/step "
+                     "longer in collectives")
+    if d.get("missing_ranks"):
+        lines.append(f"no run from rank(s) {', '.join(map(str, d['missing_ranks']))}")
+    title = f"{d.get('world_size')} ranks (unprofiled step medians; comm and exposed from the recorded steps)"
+    return Group(fit(cols, rows, width, title=title), *(Text(ln) for ln in lines))
+
+
 def files_section(run_path: Path | None, summary: dict) -> RenderableType:
     if run_path is None:
         return Text("not saved (no step was recorded)", style="dim")
@@ -438,7 +464,7 @@ def files_section(run_path: Path | None, summary: dict) -> RenderableType:
     g.add_column(no_wrap=True)
     g.add_column(overflow="fold")
     g.add_row("run", Text(str(run_path)))
-    for key, label in (("summary", "summary"), ("ops", "ops"), ("trace", "trace")):
+    for key, label in (("summary", "summary"), ("ops", "ops"), ("trace", "trace"), ("ranks", "ranks")):
         if files.get(key):
             extra = " (open in https://ui.perfetto.dev)" if key == "trace" else ""
             g.add_row(label, Text(f"{run_path / files[key]}{extra}"))
@@ -447,7 +473,7 @@ def files_section(run_path: Path | None, summary: dict) -> RenderableType:
 
 def render(summary: dict, run_path: Path | None, console: Console) -> None:
     console.print(header(summary, run_path))
-    for part in (class_table(summary), top_ops_table(summary, console.width)):
+    for part in (ranks_table(summary, console.width), class_table(summary), top_ops_table(summary, console.width)):
         if part is not None:
             console.print(part)
     if summary.get("steps_recorded", 0) == 0:
