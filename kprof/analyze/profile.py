@@ -81,9 +81,10 @@ def profile_script(
             path = store.save_run(summary, pd.DataFrame(), raw.trace_path, root=out_root)
             raise KprofError(f"kprof's trace analysis failed; this is a kprof bug, please report it with the "
                              f"trace. The run's measurements and raw trace are saved in {path}.\n{tb.rstrip()}") from None
-        summary = build_summary(raw, analysed)
+        summary = build_summary(raw, analysed) | {"memory": _memory(raw)}
         notify("save")
-        path = store.save_run(summary, ops, raw.trace_path, root=out_root)
+        path = store.save_run(summary, ops, raw.trace_path, root=out_root, memory=raw.memory,
+                              memory_snapshot=raw.memory_snapshot_path)
     return Run(path=path, summary=store.load_summary(path), _ops=ops)
 
 
@@ -213,6 +214,19 @@ def build_summary(raw, a: dict | None) -> dict[str, Any]:
         "module_classes": dict(raw.module_classes),
         "wall_time_s": raw.wall_time_s,
     }
+
+
+def _memory(raw) -> dict | None:
+    """The memory breakdown of the shapes step (kprof/analyze/memory.py); None without a record.
+    Its failure costs the memory section only, with the reason in the section."""
+    from kprof.analyze import memory
+
+    if not getattr(raw, "memory", None):
+        return None
+    try:
+        return memory.from_record(raw.memory) or None
+    except Exception as e:  # noqa: BLE001 - a bug here must not cost the profile
+        return {"error": f"memory breakdown failed: {e!r}"}
 
 
 def _figure_basis(basis: dict, overhead_pct: float | None, raw) -> dict:
