@@ -407,6 +407,14 @@ def from_record(record: dict, snapshot: dict | None = None) -> dict:
     if not len(events) and snapshot is not None:
         events, live = events_from_snapshot(snapshot)
         source = "CUDA allocator history (shapes step)"
+    elif len(events) and record.get("device") == "cpu":
+        # The CPU allocator's `Total Allocated` counts from the profiler's start (0 before the
+        # step: the tiny MLP's 0.5 MB of parameters read as 0), so the model's tensors live at the
+        # step's start are added as the memory before the window.
+        start = tensors.get("at_forward_start") or {}
+        known = sum(v["bytes"] for k, v in tensor_totals({"at_step_end": start}).items()
+                    if k in ("parameters", "gradients", "optimizer_state"))
+        events = events.assign(total_allocated=events["total_allocated"] + known)
     out = breakdown(events, ranges, tensors, fwd, live)
     if not out:
         return {}
