@@ -43,6 +43,8 @@ TRACE = "trace.json.gz"
 PLAN = "plan.json"  # written by kprof suggest
 APPLY = "apply.json"  # in the patched run of kprof apply
 COMPARE = "compare.json"  # in each run of kprof apply --compare
+MEMORY = "memory.json.gz"  # the shapes step's memory record (kprof/capture/runner.py _memory_record)
+MEMORY_SNAPSHOT = "memory_snapshot.pickle"  # torch.cuda.memory._snapshot() (pytorch.org/memory_viz)
 FORMAT = 1  # bump when summary.json changes incompatibly
 
 # Parquet schema metadata key listing object columns stored as JSON text because Arrow could not
@@ -98,16 +100,26 @@ def save_run(
     *,
     root: str | os.PathLike = DEFAULT_ROOT,
     name: str | None = None,
+    memory: dict | None = None,
+    memory_snapshot: str | os.PathLike | None = None,
 ) -> Path:
     """Write a run atomically under `root` and return its final directory.
 
     `name` defaults to `<YYYYmmdd-HHMMSS>-<script stem>` from `summary["script"]` and now.
     """
     def fill(tmp: Path) -> dict:
+        files = {"summary": SUMMARY, "ops": OPS, "trace": TRACE if trace_path else None}
         _write_ops(ops, tmp / OPS)
         if trace_path:
             _gzip_copy(Path(trace_path), tmp / TRACE)
-        return {"summary": SUMMARY, "ops": OPS, "trace": TRACE if trace_path else None}
+        if memory is not None:
+            with gzip.open(tmp / MEMORY, "wt", compresslevel=6) as f:
+                json.dump(jsonable(memory), f)
+            files["memory"] = MEMORY
+        if memory_snapshot and Path(memory_snapshot).is_file():
+            shutil.copyfile(memory_snapshot, tmp / MEMORY_SNAPSHOT)
+            files["memory_snapshot"] = MEMORY_SNAPSHOT
+        return files
 
     return _save_atomic(summary, fill, root, name)
 
@@ -120,13 +132,15 @@ def save_group(summary: dict, lead: Path, ranks: Sequence[Path], *, root: str | 
     `summary` at the top, and every rank's complete run folder moved under ranks/. Atomic like
     save_run: the folder appears complete or not at all."""
     def fill(tmp: Path) -> dict:
-        for f in (OPS, TRACE):
+        files = {"ops": OPS, "trace": TRACE, "memory": MEMORY, "memory_snapshot": MEMORY_SNAPSHOT}
+        for f in files.values():
             if (lead / f).exists():
                 shutil.copy2(lead / f, tmp / f)
         (tmp / RANKS).mkdir()
         for r in ranks:
             shutil.move(str(r), str(tmp / RANKS / r.name))
-        return {"summary": SUMMARY, "ops": OPS, "trace": TRACE if (tmp / TRACE).exists() else None, "ranks": RANKS}
+        return ({"summary": SUMMARY} | {k: v for k, v in files.items() if (tmp / v).exists()}
+                | {"ranks": RANKS})
 
     return _save_atomic(summary, fill, root, None)
 
@@ -307,6 +321,18 @@ def load_ops(run: str | os.PathLike) -> pd.DataFrame:
     for col in json_cols:
         df[col] = [json.loads(s) for s in df[col]]
     return df
+
+
+def load_memory(run: str | os.PathLike) -> dict | None:
+    """A run's memory record (None for a run saved without one)."""
+    path = Path(run) / MEMORY
+    if not path.is_file():
+        return None
+    try:
+        with gzip.open(path, "rt") as f:
+            return json.load(f)
+    except (OSError, EOFError, json.JSONDecodeError) as e:
+        raise KprofError(f"{path} is corrupt ({e}); profile the script again") from e
 
 
 def load_run(spec: str | os.PathLike | None = None, root: str | os.PathLike = DEFAULT_ROOT) -> Run:

@@ -93,12 +93,13 @@ def profile_script(
             path = store.save_run(summary, pd.DataFrame(), raw.trace_path, root=out_root)
             raise KprofError(f"kprof's trace analysis failed; this is a kprof bug, please report it with the "
                              f"trace. The run's measurements and raw trace are saved in {path}.\n{tb.rstrip()}") from None
-        summary = build_summary(raw, analysed)
+        summary = build_summary(raw, analysed) | {"memory": _memory(raw)}
         notify("save")
         rank = rank_env()
         if rank is not None:
-            return _save_rank(summary, ops, raw.trace_path, rank, out_root)
-        path = store.save_run(summary, ops, raw.trace_path, root=out_root)
+            return _save_rank(summary, ops, raw, rank, out_root)
+        path = store.save_run(summary, ops, raw.trace_path, root=out_root, memory=raw.memory,
+                              memory_snapshot=raw.memory_snapshot_path)
     return Run(path=path, summary=store.load_summary(path), _ops=ops)
 
 
@@ -147,7 +148,7 @@ def _profile_job(script: str, argv: list[str], nproc: int, *, warmup: int, steps
                      exit_code=code)
 
 
-def _save_rank(summary: dict, ops: pd.DataFrame, trace_path: str, env: dict, out_root) -> Run:
+def _save_rank(summary: dict, ops: pd.DataFrame, raw, env: dict, out_root) -> Run:
     """Save this rank's run under <out>/.ranks-<group>/rank<N> (hidden: not a run of its own);
     rank 0 then waits for the others and saves the merged run (store.save_group)."""
     import shutil
@@ -161,7 +162,8 @@ def _save_rank(summary: dict, ops: pd.DataFrame, trace_path: str, env: dict, out
     mine = staging / f"rank{rank}"
     if mine.exists():  # left by an earlier launch that reused the rendezvous address
         shutil.rmtree(mine, ignore_errors=True)
-    path = store.save_run(summary, ops, trace_path, root=staging, name=f"rank{rank}")
+    path = store.save_run(summary, ops, raw.trace_path, root=staging, name=f"rank{rank}", memory=raw.memory,
+                          memory_snapshot=raw.memory_snapshot_path)
     if rank != 0:
         return Run(path=path, summary=summary, _ops=ops)
 
@@ -315,6 +317,19 @@ def build_summary(raw, a: dict | None) -> dict[str, Any]:
         "module_classes": dict(raw.module_classes),
         "wall_time_s": raw.wall_time_s,
     }
+
+
+def _memory(raw) -> dict | None:
+    """The memory breakdown of the shapes step (kprof/analyze/memory.py); None without a record.
+    Its failure costs the memory section only, with the reason in the section."""
+    from kprof.analyze import memory
+
+    if not getattr(raw, "memory", None):
+        return None
+    try:
+        return memory.from_record(raw.memory) or None
+    except Exception as e:  # noqa: BLE001 - a bug here must not cost the profile
+        return {"error": f"memory breakdown failed: {e!r}"}
 
 
 def _figure_basis(basis: dict, overhead_pct: float | None, raw) -> dict:

@@ -89,6 +89,12 @@ AUTO_FORWARD_AFTER_CALLS_WITH_OPTIMIZER = 512
 PROFILER_WARMUP_STEPS = 1
 # Steps run after the recorded ones to record op shapes (and stacks, host syncs) for them.
 SHAPES_STEPS = 1
+# Memory on the shapes step (never on the timed or recorded steps). The profiler's memory events
+# (profile_memory=True) cost one record per allocation and free (~1 us each); on a CUDA run the
+# allocator's history adds a Python stack per allocation (~2 us, torch.cuda.memory docs) and keeps
+# at most this many entries (a ring buffer, each entry a few KB with its frames: <= ~100 MB), so a
+# step of 10k allocations (a 12-layer GPT-2 makes ~6k allocs + frees) fits whole.
+MEMORY_HISTORY_MAX_ENTRIES = 20_000
 
 StepMode = str  # "auto" | "optimizer" | "forward"
 _STEP_MODES = ("auto", "optimizer", "forward")
@@ -144,6 +150,10 @@ class RawRun:
     syncs_cpu: list[dict] = field(default_factory=list)  # would-be syncs, for a run that used no GPU
     shapes_recorded: str = "shapes step"  # "shapes step" | "every step": where op shapes come from
     sync_steps: int = 0  # steps the host-sync detector watched (profiler warm-up, recorded, shapes)
+    # The shapes step's memory record (see `_memory_record`): allocator events, module and phase
+    # ranges, the model's parameter/gradient/optimizer-state storages; None if not recorded.
+    memory: dict | None = None
+    memory_snapshot_path: str | None = None  # torch.cuda.memory._snapshot() pickled (CUDA runs)
 
 
 class _StopScript(BaseException):
@@ -420,6 +430,11 @@ class _Session:
         self.sync_steps = 0
         self.syncs: list[dict] = []
         self.syncs_cpu: list[dict] = []
+        self.mem_tensors: dict = {}  # storages captured at the shapes step's start and end
+        self.mem_extra: dict = {}  # CUDA counters of the shapes step
+        self.memory: dict | None = None
+        self.memory_snapshot_path: str | None = None
+        self.mem_history = False
 
         # modules
         self.info: "weakref.WeakKeyDictionary[nn.Module, _ModInfo]" = weakref.WeakKeyDictionary()
@@ -1014,11 +1029,13 @@ class _Session:
         self.shapes_pending = False
         try:
             self.prof = profile(activities=self._activities(), record_shapes=self.cfg.record_shapes,
-                                with_stack=self.cfg.with_stack)
+                                with_stack=self.cfg.with_stack, profile_memory=True)
+            self._start_memory_capture()
             self.prof.start()
         except Exception as e:
             self.warnings.append(f"torch.profiler failed to start the shapes step: {e!r}; ops have no shapes")
             self.prof = None
+            self._end_memory_capture()
             self._stop_after_recording()
             return
         self.annotating = True
@@ -1058,6 +1075,7 @@ class _Session:
                 self.shapes_handle = None
         self._stop_sync_detector()
         prof, self.prof = self.prof, None
+        self._end_memory_capture()
         if prof is None:
             return
         try:
@@ -1075,6 +1093,90 @@ class _Session:
             self.shapes_trace = path
         except Exception as e:
             self.warnings.append(f"could not export the shapes step's trace: {e!r}; ops have no shapes")
+            return
+        try:
+            self.memory = _memory_record(path, self.mem_tensors, self.mem_extra, self.cuda_run and self.mem_extra.get("cuda", False))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            self.warnings.append(f"could not read the shapes step's memory events: {e!r}; no memory breakdown")
+
+    # ------------------------------------------------------------------ memory (shapes step)
+    def _model_tensors(self) -> dict:
+        """{kind: [[data_ptr, nbytes, name, dtype], ...]} for the roots' parameters, their grads
+        and the optimizers' state: the storages the memory breakdown classifies by identity."""
+        out: dict[str, list] = {"parameters": [], "gradients": [], "optimizer_state": []}
+        names: dict[int, str] = {}
+        seen: set = set()
+        for ref, prefix, _ in self.roots:
+            root = ref()
+            if root is None:
+                continue
+            for name, p in root.named_parameters():
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                full = f"{prefix}.{name}" if prefix else name
+                names[id(p)] = full
+                out["parameters"].append(_tensor_entry(p, full))
+                if p.grad is not None:
+                    out["gradients"].append(_tensor_entry(p.grad, full + ".grad"))
+        for opt in list(self.optimizers):
+            for p, st in list(getattr(opt, "state", {}).items()):
+                for k, v in (st.items() if isinstance(st, dict) else ()):
+                    if isinstance(v, torch.Tensor) and v.numel() > 1:  # not the scalar `step`
+                        out["optimizer_state"].append(_tensor_entry(v, f"{names.get(id(p), '?')}.{k}"))
+        return out
+
+    def _start_memory_capture(self) -> None:
+        try:
+            self.mem_tensors = {"at_forward_start": self._model_tensors()}
+        except Exception as e:  # noqa: BLE001 - a model kprof can't walk costs the breakdown only
+            self.warnings.append(f"could not list the model's tensors for the memory breakdown: {e!r}")
+            self.mem_tensors = {}
+        self.mem_extra = {"cuda": False}
+        if not (self.cuda_run and torch.cuda.is_initialized()):
+            return
+        try:
+            torch.cuda.reset_peak_memory_stats()
+            self.mem_extra.update(cuda=True, allocated_at_start=torch.cuda.memory_allocated())
+            torch.cuda.memory._record_memory_history(
+                "all", context="alloc", stacks="python", max_entries=MEMORY_HISTORY_MAX_ENTRIES)
+            self.mem_history = True
+        except Exception as e:  # a private API: losing it costs the snapshot, not the run
+            self.warnings.append(f"could not record the CUDA allocator's history: {e!r}")
+
+    def _end_memory_capture(self) -> None:
+        if not self.mem_tensors and not self.mem_history:
+            return
+        try:
+            self.mem_tensors["at_step_end"] = self._model_tensors()
+        except Exception as e:  # noqa: BLE001
+            self.warnings.append(f"could not list the model's tensors for the memory breakdown: {e!r}")
+        if not self.mem_extra.get("cuda"):
+            return
+        try:
+            self.mem_extra.update(max_allocated=torch.cuda.max_memory_allocated(),
+                                  max_reserved=torch.cuda.max_memory_reserved())
+        except Exception:
+            pass
+        if not self.mem_history:
+            return
+        try:
+            import pickle
+
+            snap = torch.cuda.memory._snapshot()
+            fd, path = tempfile.mkstemp(prefix="kprof-memory-", suffix=".pickle", dir=self.cfg.trace_dir)
+            with os.fdopen(fd, "wb") as f:
+                pickle.dump(snap, f)
+            self.memory_snapshot_path = path
+            self.mem_extra["snapshot_entries"] = sum(len(t) for t in snap.get("device_traces") or [])
+        except Exception as e:
+            self.warnings.append(f"could not take the CUDA memory snapshot: {e!r}")
+        finally:
+            try:
+                torch.cuda.memory._record_memory_history(None)
+            except Exception:
+                pass
+            self.mem_history = False
 
     def _profiler_failed(self, e: Exception) -> None:
         self.warnings.append(f"torch.profiler failed to start: {e!r}; no trace recorded")
@@ -1279,6 +1381,8 @@ class _Session:
             warnings=self.warnings,
             shapes_recorded="every step" if self.cfg.shapes_every_step else "shapes step",
             sync_steps=self.sync_steps,
+            memory=self.memory,
+            memory_snapshot_path=self.memory_snapshot_path,
         )
 
 
@@ -1394,3 +1498,54 @@ def _merge_shapes_step(path: str, shapes_path: str, full_lists: dict) -> None:
     main["traceEvents"] = list(main.get("traceEvents") or []) + added
     with open(path, "w", encoding="utf-8") as f:
         json.dump(main, f)
+
+
+def _tensor_entry(t: torch.Tensor, name: str) -> list:
+    """[data_ptr, storage bytes, name, dtype] of one tensor (its whole storage: a view of a
+    flat buffer holds the buffer)."""
+    with torch._C.DisableTorchFunction():
+        try:
+            nbytes = t.untyped_storage().nbytes()
+        except Exception:  # noqa: BLE001 - e.g. a tensor subclass without a storage
+            nbytes = t.numel() * t.element_size()
+        return [int(t.data_ptr()), int(nbytes), name, str(t.dtype).replace("torch.", "")]
+
+
+# Ranges of the shapes step the memory breakdown reads: module forwards, the optimizer step and
+# the backward nodes (their `Sequence number` names the forward op, hence the module).
+_MEMORY_RANGE_PREFIXES = (MODULE_RANGE_PREFIX, "Optimizer.step#", "autograd::engine::evaluate_function:",
+                          SHAPES_STEP_RANGE)
+
+
+def _memory_record(shapes_path: str, tensors: dict, extra: dict, cuda: bool) -> dict:
+    """The shapes step's memory record from its exported trace: the profiler's allocation events
+    of the model's device ([t_us, addr, bytes (+alloc/-free), total allocated, total reserved]),
+    ranges ([name, t0_us, t1_us, tid, sequence number or -1]) and forward ops with a sequence
+    number ([t_us, seq, tid]). Times are microseconds since the Unix epoch (the trace's
+    baseTimeNanoseconds added back), the clock of the allocator's history too."""
+    with open(shapes_path, encoding="utf-8") as f:
+        doc = json.load(f)
+    base_us = int(doc.get("baseTimeNanoseconds") or 0) / 1e3
+    want = 1 if cuda else 0  # the profiler's Device Type: 0 CPU, 1 CUDA
+    events, ranges, fwd = [], [], []
+    for ev in doc.get("traceEvents") or []:
+        if not isinstance(ev, dict):
+            continue
+        name, args = ev.get("name"), ev.get("args") or {}
+        if name == "[memory]":
+            if args.get("Device Type") == want and "Addr" in args:
+                events.append([float(ev["ts"]) + base_us, int(args["Addr"]), int(args.get("Bytes") or 0),
+                               int(args.get("Total Allocated") or 0), int(args.get("Total Reserved") or 0)])
+            continue
+        if ev.get("ph") != "X" or not isinstance(name, str):
+            continue
+        t0 = float(ev["ts"]) + base_us
+        seq = args.get("Sequence number")
+        seq = int(seq) if isinstance(seq, (int, float)) else -1
+        if name.startswith(_MEMORY_RANGE_PREFIXES):
+            ranges.append([name, t0, t0 + float(ev.get("dur") or 0), ev.get("tid"), seq])
+        elif seq >= 0 and ev.get("cat") == "cpu_op":
+            fwd.append([t0, seq, ev.get("tid")])
+    events.sort(key=lambda e: e[0])
+    return {"source": "profiler", "device": "cuda" if cuda else "cpu", "events": events, "ranges": ranges,
+            "forward_ops": fwd, "tensors": tensors, "cuda": extra}

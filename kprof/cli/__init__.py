@@ -222,11 +222,18 @@ def report_cmd(
     run: Annotated[Optional[str], typer.Argument(help="Run directory or name; default: the latest.")] = None,
     out: Annotated[Path, typer.Option("--out", help="Run store directory.")] = store.DEFAULT_ROOT,
     json_out: Annotated[bool, typer.Option("--json", help="Print the run as one JSON document.")] = False,
+    memory: Annotated[bool, typer.Option("--memory", help="Show where the step's peak memory goes.")] = False,
 ) -> None:
     """Show a saved run's report again."""
     from kprof.cli import render as report
 
     r = store.load_run(run, out)
+    if memory:
+        if json_out:
+            print_json({"run": r.name, "memory": r.summary.get("memory")})
+        else:
+            console.print(report.memory_section(r.summary, console.width))
+        return
     compared = (Path(r.path) / store.COMPARE).is_file()  # one variant of `kprof apply --compare`
     if json_out:
         from kprof.patching.compare import load_compare

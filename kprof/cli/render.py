@@ -3,6 +3,7 @@ kprof/analyze/profile.py fills from the analysis functions; nothing here compute
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -512,3 +513,51 @@ def render_ceilings(c: dict, cache_path: str | None, console: Console) -> None:
     if cache_path:
         parts.append(Text(f"cached in {cache_path}; `kprof profile` uses it for this device from now on"))
     console.print(Panel(Group(*parts), title=f"[bold]kprof calibrate[/bold] · {c.get('device', '?')}", title_align="left"))
+
+
+_SPARK = " ▁▂▃▄▅▆▇█"
+
+
+def memory_section(summary: dict, width: int = 80) -> RenderableType:
+    """`kprof report --memory`: the peak's breakdown, the activations saved per module and the
+    allocated-memory timeline, from summary["memory"] (kprof/analyze/memory.py)."""
+    m = summary.get("memory") or {}
+    if m.get("error"):
+        return Text(m["error"], style="yellow")
+    if "categories" not in m:
+        return Text("No memory record in this run (profiled before kprof recorded memory, or the "
+                    "script ended before the shapes step); profile it again.", style="yellow")
+    peak = m["peak_bytes"]
+    t = Table(title=f"Memory at the step's peak: {fmt_bytes(peak)}, {m.get('peak_moment', '?')}",
+              title_justify="left")
+    t.add_column("kind")
+    t.add_column("bytes", justify="right")
+    t.add_column("% of peak", justify="right")
+    for k, v in m["categories"].items():
+        t.add_row(k, fmt_bytes(v), fmt_pct(100 * v / peak if peak else None))
+    if m.get("fragmentation_bytes") is not None:
+        t.add_row("fragmentation", fmt_bytes(m["fragmentation_bytes"]), "(reserved - allocated)")
+    notes = [f"source: {m.get('source', '?')}"]
+    if m.get("max_allocated"):
+        notes.append(f"max_memory_allocated {fmt_bytes(m['max_allocated'])}; categories sum "
+                     f"{fmt_bytes(m.get('categories_sum'))}")
+    a = Table(title="Activations saved for backward, by module", title_justify="left")
+    a.add_column("module", overflow="fold")
+    a.add_column("bytes", justify="right")
+    a.add_column("blocks", justify="right")
+    for r in (m.get("activations_saved") or [])[:10]:
+        a.add_row(_module_label(r["module"]) if r["module"] else "", fmt_bytes(r["bytes"]), str(r["blocks"]))
+    tl = m.get("timeline") or []
+    parts: list[RenderableType] = [t, Text("\n".join(notes), style="dim"), a]
+    if tl:
+        cols = max(10, min(width - 2, 78))
+        vals = [p["allocated"] for p in tl]
+        hi, lo = max(vals), min(vals)
+        step = max(1, math.ceil(len(vals) / cols))
+        binned = [max(vals[i:i + step]) for i in range(0, len(vals), step)]
+        spark = "".join(_SPARK[round((v - lo) / (hi - lo) * 8) if hi > lo else 8] for v in binned)
+        ph = m.get("phases_ms") or {}
+        marks = ", ".join(f"{k.replace('_', ' ')} {v:.1f} ms" for k, v in ph.items() if v is not None)
+        parts += [Text(f"Allocated over the step ({fmt_bytes(lo)} to {fmt_bytes(hi)}; peak at "
+                       f"{m.get('peak_ms') or 0:.1f} ms)"), Text(spark), Text(marks, style="dim")]
+    return Group(*parts)
