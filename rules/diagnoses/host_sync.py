@@ -49,6 +49,11 @@ def _short(file: str) -> str:
     return os.path.basename(file) if file and not file.startswith("<") else (file or "?")
 
 
+def _rate(x: float) -> str:
+    """Syncs per step, to 2 significant digits (a loss printed every 4th step: 0.29, not 0.285714)."""
+    return f"{x:.2g}"
+
+
 def find(ops, summary: dict) -> list[Finding]:
     syncs = [s for s in summary.get("syncs") or [] if int(s.get("count") or 0) > 0]
     if not syncs:
@@ -62,7 +67,7 @@ def find(ops, summary: dict) -> list[Finding]:
     sites = sorted(syncs, key=lambda s: (-int(s["count"]), str(s.get("file")), int(s.get("line") or 0)))
     details = [{"file": s.get("file"), "line": s.get("line"), "code": s.get("code", ""), "kind": s.get("kind", ""),
                 "per step": int(s["count"]) / n, "fix": fix_for(str(s.get("kind", "")))} for s in sites]
-    lines = [f"{d['kind']} x{d['per step']:g}/step at {_short(d['file'])}:{d['line']}"
+    lines = [f"{d['kind']} x{_rate(d['per step'])}/step at {_short(d['file'])}:{d['line']}"
              + (f"  `{d['code']}`" if d["code"] else "") for d in details[:MAX_SITES_SHOWN]]
     if len(details) > MAX_SITES_SHOWN:
         lines.append(f"... and {len(details) - MAX_SITES_SHOWN} more sites (see --json)")
@@ -85,7 +90,8 @@ def find(ops, summary: dict) -> list[Finding]:
     return [Finding(
         where="\n".join(f"{_short(d['file'])}:{d['line']}" for d in details[:MAX_SITES_SHOWN])
               + (f"\n+{len(details) - MAX_SITES_SHOWN} more" if len(details) > MAX_SITES_SHOWN else ""),
-        evidence=f"host syncs per step: {per_step:g} ({'measured' if gpu else 'would sync on a GPU'}):\n" + "\n".join(lines),
+        evidence=(f"host syncs per step: {_rate(per_step)} over {n} watched steps "
+                  f"({'measured' if gpu else 'would sync on a GPU'}):\n" + "\n".join(lines)),
         change="; ".join(dict.fromkeys(fix_for(k) for k in kinds)),
         how=f"{_short(first['file'])}:{first['line']}: {first['fix']}",
         saving_ms=saving, saving_note=note, source=f"{first['file']}:{first['line']}",
