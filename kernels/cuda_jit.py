@@ -139,26 +139,30 @@ def _build(src: ExtensionSource, build_dir: Path) -> ModuleType:
     except Exception as e:  # cpp_extension raises RuntimeError/CalledProcessError with the whole log
         lines = [ln for ln in str(e).splitlines() if "error" in ln.lower()] or str(e).splitlines() or [type(e).__name__]
         raise KprofError(f"building {name} failed: {lines[0].strip()}") from e
-    so = build_dir / f"{name}.so"
+    # A second build of one name in a process (a rebuild after a corrupt entry) is named
+    # <name>_v<n> by cpp_extension's versioner; the module's name is the file's.
+    so = Path(mod.__file__) if getattr(mod, "__file__", None) else build_dir / f"{name}.so"
     if not so.exists():
         raise KprofError(f"building {name} left no {so.name} in {build_dir}")
     tmp = build_dir / f"{_MANIFEST}.{os.getpid()}"
-    tmp.write_text(json.dumps({"module": name, "sha256": _sha256(so), "torch": torch.__version__}))
+    tmp.write_text(json.dumps({"module": so.name[: -len(".so")], "file": so.name, "sha256": _sha256(so),
+                               "torch": torch.__version__}))
     os.replace(tmp, build_dir / _MANIFEST)  # the manifest appears whole or not at all
     return mod
 
 
-def _cached(src: ExtensionSource, d: Path) -> Path | None | str:
-    """The cached object's path; None if there is no entry; a reason string if it is corrupt."""
+def _cached(src: ExtensionSource, d: Path) -> tuple[str, Path] | None | str:
+    """(module name, the cached object's path); None if there is no entry; a reason string if it
+    is corrupt."""
     manifest = d / _MANIFEST
     if not manifest.exists():
         return None
     try:
         m = json.loads(manifest.read_text())
-        so = d / f"{m['module']}.so"
-        if m["module"] != _module_name(src) or _sha256(so) != m["sha256"]:
+        so = d / m["file"]
+        if not m["module"].startswith(_module_name(src)) or _sha256(so) != m["sha256"]:
             return f"{so.name} does not match its manifest"
-        return so
+        return m["module"], so
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"unreadable entry ({type(e).__name__}: {e})"
 
@@ -177,12 +181,11 @@ def load(src: ExtensionSource, arch: str, root: Path | None = None) -> tuple[Mod
         return _loaded[key]
     root = root or cache_root()
     d = root / key
-    name = _module_name(src)
     why = None
     hit = _cached(src, d)
-    if isinstance(hit, Path):
+    if isinstance(hit, tuple):
         try:
-            _loaded[key] = (_import(name, hit), "cached")
+            _loaded[key] = (_import(*hit), "cached")
             return _loaded[key]
         except (ImportError, OSError) as e:
             why = f"cache entry {d} is corrupt ({str(e).splitlines()[0]})"
