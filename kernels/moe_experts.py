@@ -101,13 +101,15 @@ def moe_experts(x: torch.Tensor, offsets: torch.Tensor, w_gate_up: torch.Tensor,
 
 
 def moe_experts_reference(x: torch.Tensor, offsets: torch.Tensor, w_gate_up: torch.Tensor,
-                          w_down: torch.Tensor) -> torch.Tensor:
-    """A loop over experts (reads the offsets on the host: a sync, as eager HF code has)."""
+                          w_down: torch.Tensor, act=swiglu_packed_reference) -> torch.Tensor:
+    """A loop over experts (reads the offsets on the host: a sync, as eager HF code has). `act`:
+    the gated activation on [rows, 2I] (tests pass `swiglu_packed` to round where the kernel path
+    rounds)."""
     ends = offsets.tolist()
     outs, start = [], 0
     for e, end in enumerate(ends):
         rows = x[start:end]
-        outs.append(swiglu_packed_reference(rows @ w_gate_up[e]) @ w_down[e])
+        outs.append(act(rows @ w_gate_up[e]) @ w_down[e])
         start = end
     return torch.cat(outs) if outs else x.new_empty(0, w_down.shape[2])
 
