@@ -58,6 +58,67 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or (t.device.type == "cpu" and interpreter_enabled())
 
 
+# --------------------------------------------------------------------------------------------
+# The wiring every kernel shares: one registered op per direction, a lean eager path
+# --------------------------------------------------------------------------------------------
+#
+# Each kernel direction is one Python function (the "body") that allocates its outputs and calls
+# `launch` for each Triton kernel. It is wired twice:
+# - eager: the autograd.Function calls the body directly (`via_custom_op()` False): no op
+#   dispatch at all, because on the H200 machine's host a custom-op call costs 30 us against
+#   24 us for the bare launch, and a fwd+bwd through custom ops 244 us against 163 us.
+# - torch.compile (and a recording profiler): the autograd.Function calls the registered op
+#   `kprof::<name>` made by `kernel_op`. Where Triton compiles kernels (a GPU) that op is a
+#   `torch.library.triton_op`: Dynamo keeps it as one node (no graph break), and AOTAutograd
+#   traces its body, so `launch` records each kernel as a `triton_kernel_wrapper_*` node that
+#   Inductor launches from its own generated code instead of calling back into Python through
+#   the dispatcher. Under the interpreter (CPU CI) `wrap_triton` cannot trace an interpreted
+#   kernel, so the op is an opaque `torch.library.custom_op` with the given fake.
+
+
+def kernel_op(name: str, *, mutates_args: Sequence[str] = ()):
+    """Decorator: register a kernel body as the op `name` ("kprof::..."), see above. Its fake is
+    the body itself, run on fake tensors (with compiled Triton its launches record, under the
+    interpreter they are skipped); `@op.register_fake` may replace it with a shapes-only one,
+    which Dynamo then runs instead (cheaper, and symbolic sizes never reach the launch plans).
+    Under FunctionalTensorMode (AOTAutograd) a triton_op is still decomposed into its body."""
+
+    def register(body):
+        if _COMPILED:
+            return torch.library.triton_op(name, body, mutates_args=tuple(mutates_args))
+        op = torch.library.custom_op(name, body, mutates_args=tuple(mutates_args))
+        op.register_fake(body)
+        return op
+
+    return register
+
+
+# Launch options that are not kernel arguments. Dynamo's kernel wrapper takes num_warps and
+# num_stages as config; Inductor compiles user kernels with FP fusion on already
+# (TritonKernel.triton_meta_common: enable_fp_fusion = not emulate_precision_casts) and has no
+# maxnreg for them, so traced launches drop these two rather than pass them as kernel arguments.
+_NOT_TRACED = ("enable_fp_fusion", "maxnreg")
+_REAL_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def launch(kernel, grid, *args, **kwargs) -> None:
+    """`kernel[grid](*args, **kwargs)`, or its traced form inside a `kernel_op` body being traced.
+
+    The first argument must be a tensor (every kprof kernel starts with a pointer): a plain
+    tensor means a real call (eager, or the op's own backend), launched at once; a fake or
+    functional tensor means the body is being traced by torch.compile, and the launch goes
+    through `torch.library.wrap_triton` so Inductor sees the kernel. One type check per launch
+    (~0.1 us), not a context manager or a mode lookup."""
+    if type(args[0]) in _REAL_TENSORS:
+        kernel[grid](*args, **kwargs)
+        return
+    if not _COMPILED:
+        return  # the interpreter's fake: shapes only, there is nothing to trace
+    for k in _NOT_TRACED:
+        kwargs.pop(k, None)
+    torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
+
+
 def via_custom_op() -> bool:
     """Whether a kernel call should go through its `torch.library` custom op.
 
