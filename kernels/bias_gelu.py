@@ -44,6 +44,7 @@ from kprof.errors import KprofError
 from kprof.kernels.common import (
     FP_FUSION,
     StreamConfig,
+    cdiv,
     device_ctx,
     fast_math,
     kernel_op,
@@ -243,8 +244,8 @@ def _bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, act: int) -> tup
     x2, sx = rows_and_stride(x, n)
     b = bias if bias.is_contiguous() else bias.contiguous()
     bm, bn, warps = _bwd_plan(n_rows, n)
-    n_col_blocks = triton.cdiv(n, bn)
-    n_groups = _n_groups(x, triton.cdiv(n_rows, bm), n_col_blocks)
+    n_col_blocks = cdiv(n, bn)
+    n_groups = _n_groups(x, cdiv(n_rows, bm), n_col_blocks)
     partial = torch.empty((n_groups, n), dtype=torch.float64, device=x.device)
     with device_ctx(x):
         launch(_bias_gelu_bwd_kernel, (n_col_blocks, n_groups),

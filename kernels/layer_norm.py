@@ -31,7 +31,8 @@ from torch import nn
 from kprof.errors import KprofError
 from kprof.kernels.common import (
     FP_FUSION,
-    interpreter_enabled,
+    INTERPRETED,
+    cdiv,
     kernel_op,
     launch,
     num_warps,
@@ -390,12 +391,12 @@ def _launch_fwd(x, weight, bias, eps):
     cfg = _forward_config(n_cols)
     w = weight.contiguous() if weight is not None else x2  # dummy pointer when absent
     b = bias.contiguous() if bias is not None else x2
-    launch(_layer_norm_fwd_kernel, (triton.cdiv(n_rows, cfg.block_m),),
+    launch(_layer_norm_fwd_kernel, (cdiv(n_rows, cfg.block_m),),
         x2, w, b, y2, stats, stats[2],
         x2.stride(0), y2.stride(0),
         n_rows, n_cols, eps,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, LOOP=cfg.loop,
-        EMULATE_RTNE=interpreter_enabled(), TREE_EMU=interpreter_enabled(),
+        EMULATE_RTNE=INTERPRETED, TREE_EMU=INTERPRETED,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         **FP_FUSION,
     )
@@ -428,8 +429,8 @@ def _launch_bwd(dy, x, weight, stats, dw_dtype, db_dtype):
         dy2.stride(0), x2.stride(0), dx2.stride(0),
         n_rows, n_cols, rows_per_program,
         HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, LOOP=cfg.loop,
-        EMULATE_RTNE=interpreter_enabled(), ACC_F64=dw_acc_f64(x.dtype),
-        TREE_EMU=interpreter_enabled(),
+        EMULATE_RTNE=INTERPRETED, ACC_F64=dw_acc_f64(x.dtype),
+        TREE_EMU=INTERPRETED,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         maxnreg=BWD_MAXNREG if x.element_size() == 2 else None,
         **FP_FUSION,

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from kprof.errors import KprofError
-from kprof.kernels.common import FP_FUSION, kernel_op, launch, num_warps, use_triton, via_custom_op, warn_fallback
+from kprof.kernels.common import FP_FUSION, kernel_op, launch, next_power_of_2, num_warps, use_triton, via_custom_op, warn_fallback
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -173,8 +173,8 @@ class RopeConfig:
     @functools.lru_cache(maxsize=None)
     def for_shape(n_q_heads: int, n_k_heads: int, half: int) -> "RopeConfig":
         # Cached on ints: built once per shape, not per call (the eager path is host-bound).
-        block_d = min(triton.next_power_of_2(max(half, 1)), MAX_BLOCK_D)
-        bhq, bhk = triton.next_power_of_2(max(n_q_heads, 1)), triton.next_power_of_2(max(n_k_heads, 1))
+        block_d = min(next_power_of_2(max(half, 1)), MAX_BLOCK_D)
+        bhq, bhk = next_power_of_2(max(n_q_heads, 1)), next_power_of_2(max(n_k_heads, 1))
         elems = 2 * (bhq + bhk) * block_d
         if half <= block_d and elems <= MAX_ONE_TILE_ELEMS:
             return RopeConfig(bhq, bhk, block_d, True, num_warps(elems, per_thread=64, max_warps=8))

@@ -46,6 +46,7 @@ import triton.language as tl
 from kprof.errors import KprofError
 from kprof.kernels.common import (
     FP_FUSION,
+    cdiv,
     kernel_op,
     launch,
     num_warps,
@@ -330,7 +331,7 @@ def _softmax_fwd(
             **FP_FUSION,
         )
     else:
-        launch(_softmax_fwd_rows_kernel, (triton.cdiv(n_rows, cfg.rows),),
+        launch(_softmax_fwd_rows_kernel, (cdiv(n_rows, cfg.rows),),
             x2, y, mask_t, n_rows, n_cols, x_rs, n_cols, scale, z1, z2, s0, s1, s2, sc, q_len,
             ROWS=cfg.rows, BLOCK_N=cfg.block_n, HAS_MASK=mask is not None, CAUSAL=causal,
             IDX64=n_rows + cfg.rows >= 2**31, num_warps=cfg.num_warps,
@@ -360,7 +361,7 @@ def _softmax_bwd(
             **FP_FUSION,
         )
     else:
-        launch(_softmax_bwd_rows_kernel, (triton.cdiv(n_rows, cfg.rows),),
+        launch(_softmax_bwd_rows_kernel, (cdiv(n_rows, cfg.rows),),
             y2, dy2, dx, n_rows, n_cols, y_rs, dy_rs, n_cols, scale, q_len,
             ROWS=cfg.rows, BLOCK_N=cfg.block_n, CAUSAL=causal, IDX64=n_rows + cfg.rows >= 2**31,
             num_warps=cfg.num_warps,
