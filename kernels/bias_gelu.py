@@ -44,8 +44,11 @@ from kprof.errors import KprofError
 from kprof.kernels.common import (
     FP_FUSION,
     StreamConfig,
+    cdiv,
     device_ctx,
     fast_math,
+    kernel_op,
+    launch,
     load_f32,
     numel,
     persistent_programs,
@@ -221,7 +224,7 @@ def _fwd(x: torch.Tensor, bias: torch.Tensor, act: int) -> torch.Tensor:
     b = bias if bias.is_contiguous() else bias.contiguous()
     grid, bm, bn, warps = stream_plan(n_rows, n, FWD_TILE)
     with device_ctx(x):
-        _bias_gelu_fwd_kernel[grid](
+        launch(_bias_gelu_fwd_kernel, grid,
             x2, b, y, n_rows, n, sx, n,
             ACT=act, BLOCK_M=bm, BLOCK_N=bn, EVEN=n_rows % bm == 0 and n % bn == 0, FAST=fast_math(x), num_warps=warps,
             maxnreg=FWD_MAXNREG if x.element_size() == 2 else None,
@@ -241,11 +244,11 @@ def _bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, act: int) -> tup
     x2, sx = rows_and_stride(x, n)
     b = bias if bias.is_contiguous() else bias.contiguous()
     bm, bn, warps = _bwd_plan(n_rows, n)
-    n_col_blocks = triton.cdiv(n, bn)
-    n_groups = _n_groups(x, triton.cdiv(n_rows, bm), n_col_blocks)
+    n_col_blocks = cdiv(n, bn)
+    n_groups = _n_groups(x, cdiv(n_rows, bm), n_col_blocks)
     partial = torch.empty((n_groups, n), dtype=torch.float64, device=x.device)
     with device_ctx(x):
-        _bias_gelu_bwd_kernel[(n_col_blocks, n_groups)](
+        launch(_bias_gelu_bwd_kernel, (n_col_blocks, n_groups),
             dy2, x2, b, dx, partial, n_rows, n, sdy, sx, n,
             ACT=act, BLOCK_M=bm, BLOCK_N=bn, EVEN=n_rows % bm == 0 and n % bn == 0, FAST=fast_math(x),
             ACC_F64=x.dtype == torch.float32, num_warps=warps, maxnreg=BWD_MAXNREG,
@@ -281,7 +284,7 @@ def bias_gelu_bwd(
 # --------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("kprof::bias_gelu_fwd", mutates_args=())
+@kernel_op("kprof::bias_gelu_fwd")
 def _bias_gelu_fwd_op(x: torch.Tensor, bias: torch.Tensor, approximate: str) -> torch.Tensor:
     return bias_gelu_fwd(x, bias, approximate)
 
@@ -291,7 +294,7 @@ def _(x, bias, approximate):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("kprof::bias_gelu_bwd", mutates_args=())
+@kernel_op("kprof::bias_gelu_bwd")
 def _bias_gelu_bwd_op(
     dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, approximate: str
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -46,6 +46,28 @@ def interpreter_enabled() -> bool:
 # Read once: Triton itself reads TRITON_INTERPRET when it is imported, and the launchers are
 # on the eager hot path (an environment lookup per call is ~1 us of host time).
 _COMPILED = not interpreter_enabled()
+# Whether launched kernels run in the interpreter (their EMULATE_RTNE / TREE_EMU constexprs).
+INTERPRETED = not _COMPILED
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host code. Triton 3.9's `triton.cdiv` and `triton.next_power_of_2` are
+    ConstexprFunctions that unwrap every argument first: 4-7 of them per fwd+bwd were ~20% of
+    rms_norm's wiring time under cProfile (benchmarks/host_wiring_cpu.py)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Triton's `next_power_of_2` (the same bit trick, so the same result for every int) for
+    host code; see `cdiv`."""
+    n -= 1
+    n |= n >> 1
+    n |= n >> 2
+    n |= n >> 4
+    n |= n >> 8
+    n |= n >> 16
+    n |= n >> 32
+    return n + 1
 
 
 def fast_math(t: torch.Tensor) -> bool:
@@ -56,6 +78,67 @@ def fast_math(t: torch.Tensor) -> bool:
 def use_triton(t: torch.Tensor) -> bool:
     """True if the Triton kernel can run on tensors on `t`'s device."""
     return t.is_cuda or (t.device.type == "cpu" and interpreter_enabled())
+
+
+# --------------------------------------------------------------------------------------------
+# The wiring every kernel shares: one registered op per direction, a lean eager path
+# --------------------------------------------------------------------------------------------
+#
+# Each kernel direction is one Python function (the "body") that allocates its outputs and calls
+# `launch` for each Triton kernel. It is wired twice:
+# - eager: the autograd.Function calls the body directly (`via_custom_op()` False): no op
+#   dispatch at all, because on the H200 machine's host a custom-op call costs 30 us against
+#   24 us for the bare launch, and a fwd+bwd through custom ops 244 us against 163 us.
+# - torch.compile (and a recording profiler): the autograd.Function calls the registered op
+#   `kprof::<name>` made by `kernel_op`. Where Triton compiles kernels (a GPU) that op is a
+#   `torch.library.triton_op`: Dynamo keeps it as one node (no graph break), and AOTAutograd
+#   traces its body, so `launch` records each kernel as a `triton_kernel_wrapper_*` node that
+#   Inductor launches from its own generated code instead of calling back into Python through
+#   the dispatcher. Under the interpreter (CPU CI) `wrap_triton` cannot trace an interpreted
+#   kernel, so the op is an opaque `torch.library.custom_op` with the given fake.
+
+
+def kernel_op(name: str, *, mutates_args: Sequence[str] = ()):
+    """Decorator: register a kernel body as the op `name` ("kprof::..."), see above. Its fake is
+    the body itself, run on fake tensors (with compiled Triton its launches record, under the
+    interpreter they are skipped); `@op.register_fake` may replace it with a shapes-only one,
+    which Dynamo then runs instead (cheaper, and symbolic sizes never reach the launch plans).
+    Under FunctionalTensorMode (AOTAutograd) a triton_op is still decomposed into its body."""
+
+    def register(body):
+        if _COMPILED:
+            return torch.library.triton_op(name, body, mutates_args=tuple(mutates_args))
+        op = torch.library.custom_op(name, body, mutates_args=tuple(mutates_args))
+        op.register_fake(body)
+        return op
+
+    return register
+
+
+# Launch options that are not kernel arguments. Dynamo's kernel wrapper takes num_warps and
+# num_stages as config; Inductor compiles user kernels with FP fusion on already
+# (TritonKernel.triton_meta_common: enable_fp_fusion = not emulate_precision_casts) and has no
+# maxnreg for them, so traced launches drop these two rather than pass them as kernel arguments.
+_NOT_TRACED = ("enable_fp_fusion", "maxnreg")
+_REAL_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def launch(kernel, grid, *args, **kwargs) -> None:
+    """`kernel[grid](*args, **kwargs)`, or its traced form inside a `kernel_op` body being traced.
+
+    The first argument must be a tensor (every kprof kernel starts with a pointer): a plain
+    tensor means a real call (eager, or the op's own backend), launched at once; a fake or
+    functional tensor means the body is being traced by torch.compile, and the launch goes
+    through `torch.library.wrap_triton` so Inductor sees the kernel. One type check per launch
+    (~0.1 us), not a context manager or a mode lookup."""
+    if type(args[0]) in _REAL_TENSORS:
+        kernel[grid](*args, **kwargs)
+        return
+    if not _COMPILED:
+        return  # the interpreter's fake: shapes only, there is nothing to trace
+    for k in _NOT_TRACED:
+        kwargs.pop(k, None)
+    torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
 
 
 def via_custom_op() -> bool:
@@ -156,7 +239,7 @@ def numel(shape: Sequence[int]) -> int:
 def row_tile(n_cols: int, tile_elems: int, max_rows: int = 64) -> tuple[int, int]:
     """(rows, block_n) of a block that holds whole rows: block_n is the row padded to a power of
     2, and short rows are stacked so a block holds about `tile_elems` elements."""
-    block_n = triton.next_power_of_2(max(n_cols, 1))
+    block_n = next_power_of_2(max(n_cols, 1))
     return max(1, min(max_rows, tile_elems // block_n)), block_n
 
 
@@ -185,7 +268,7 @@ def sm_count(device: torch.device) -> int:
 def persistent_programs(n_work: int, device: torch.device, per_sm: int, n_col_blocks: int = 1) -> int:
     """Programs of a persistent grid: about `per_sm` per SM (shared out over `n_col_blocks`
     column blocks), at most one per work item, at least 1."""
-    return max(1, min(n_work, triton.cdiv(sm_count(device) * per_sm, n_col_blocks)))
+    return max(1, min(n_work, cdiv(sm_count(device) * per_sm, n_col_blocks)))
 
 
 _NO_CTX = contextlib.nullcontext()
@@ -223,18 +306,18 @@ class StreamConfig:
         into column blocks (so any row length works), narrow rows are stacked so a program still
         moves `tile` elements."""
         tile = tile or cls.TILE
-        block_n = min(triton.next_power_of_2(max(n_cols, 1)), tile)
+        block_n = min(next_power_of_2(max(n_cols, 1)), tile)
         if n_rows > 1 and n_cols > tile:
             # Rows wider than a tile: take the column block (>= tile / 8) that wastes the fewest
             # masked lanes on the row's last block, largest on ties. I = 11008 at a 4096 tile:
             # 4096 pads to 12288 (90% useful), 1024 pads to 11264 (98%) -> 4 rows x 1024.
-            block_n = min((tile >> k for k in range(4)), key=lambda b: (triton.cdiv(n_cols, b) * b, -b))
-        block_m = min(max(tile // block_n, 1), triton.next_power_of_2(max(n_rows, 1)))
+            block_n = min((tile >> k for k in range(4)), key=lambda b: (cdiv(n_cols, b) * b, -b))
+        block_m = min(max(tile // block_n, 1), next_power_of_2(max(n_rows, 1)))
         return cls(block_m, block_n, 8 if block_m * block_n >= 4096 else 4)
 
     def grid(self, n_rows: int, n_cols: int) -> tuple[int, int]:
         """(column blocks, row blocks): see `stream_tile`."""
-        return (triton.cdiv(n_cols, self.block_n), min(triton.cdiv(n_rows, self.block_m), self.MAX_GRID_Y))
+        return (cdiv(n_cols, self.block_n), min(cdiv(n_rows, self.block_m), self.MAX_GRID_Y))
 
 
 @functools.lru_cache(maxsize=1024)

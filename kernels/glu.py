@@ -46,6 +46,8 @@ from kprof.kernels.common import (
     as_rows,
     device_ctx,
     fast_math,
+    kernel_op,
+    launch,
     load_f32,
     numel,
     store_cast,
@@ -302,7 +304,7 @@ def _launch_fwd(g, u, y, n_rows: int, n_cols: int, sg: int, su: int, sy: int, ac
     row strides sg, su, sy."""
     grid, bm, bn, warps = stream_plan(n_rows, n_cols, GLU_TILE)
     with device_ctx(y):
-        _glu_fwd_kernel[grid](
+        launch(_glu_fwd_kernel, grid,
             g, u, y, n_rows, n_cols, sg, su, sy,
             ACT=act, BLOCK_M=bm, BLOCK_N=bn, FAST=fast_math(y), EVEN=n_rows % bm == 0 and n_cols % bn == 0,
             num_warps=warps,
@@ -313,7 +315,7 @@ def _launch_fwd(g, u, y, n_rows: int, n_cols: int, sg: int, su: int, sy: int, ac
 def _launch_bwd(dy, g, u, dg, du, n_rows: int, n_cols: int, strides: tuple, act: int) -> None:
     grid, bm, bn, warps = stream_plan(n_rows, n_cols, GLU_TILE)
     with device_ctx(dy):
-        _glu_bwd_kernel[grid](
+        launch(_glu_bwd_kernel, grid,
             dy, g, u, dg, du, n_rows, n_cols, *strides,
             ACT=act, BLOCK_M=bm, BLOCK_N=bn, FAST=fast_math(dy), EVEN=n_rows % bm == 0 and n_cols % bn == 0,
             num_warps=warps,
@@ -418,44 +420,44 @@ def glu_packed_bwd(dy: torch.Tensor, gu: torch.Tensor, act: int) -> torch.Tensor
 # --------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("kprof::swiglu_fwd", mutates_args=())
+@kernel_op("kprof::swiglu_fwd")
 def _swiglu_fwd_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return glu_fwd(gate, up, ACT_SILU)
 
 
-@torch.library.custom_op("kprof::swiglu_bwd", mutates_args=())
+@kernel_op("kprof::swiglu_bwd")
 def _swiglu_bwd_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return glu_bwd(dy, gate, up, ACT_SILU)
 
 
-@torch.library.custom_op("kprof::geglu_fwd", mutates_args=())
+@kernel_op("kprof::geglu_fwd")
 def _geglu_fwd_op(gate: torch.Tensor, up: torch.Tensor, approximate: str) -> torch.Tensor:
     return glu_fwd(gate, up, approx_act(approximate))
 
 
-@torch.library.custom_op("kprof::geglu_bwd", mutates_args=())
+@kernel_op("kprof::geglu_bwd")
 def _geglu_bwd_op(
     dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, approximate: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return glu_bwd(dy, gate, up, approx_act(approximate))
 
 
-@torch.library.custom_op("kprof::swiglu_packed_fwd", mutates_args=())
+@kernel_op("kprof::swiglu_packed_fwd")
 def _swiglu_packed_fwd_op(gu: torch.Tensor) -> torch.Tensor:
     return glu_packed_fwd(gu, ACT_SILU)
 
 
-@torch.library.custom_op("kprof::swiglu_packed_bwd", mutates_args=())
+@kernel_op("kprof::swiglu_packed_bwd")
 def _swiglu_packed_bwd_op(dy: torch.Tensor, gu: torch.Tensor) -> torch.Tensor:
     return glu_packed_bwd(dy, gu, ACT_SILU)
 
 
-@torch.library.custom_op("kprof::geglu_packed_fwd", mutates_args=())
+@kernel_op("kprof::geglu_packed_fwd")
 def _geglu_packed_fwd_op(gu: torch.Tensor, approximate: str) -> torch.Tensor:
     return glu_packed_fwd(gu, approx_act(approximate))
 
 
-@torch.library.custom_op("kprof::geglu_packed_bwd", mutates_args=())
+@kernel_op("kprof::geglu_packed_bwd")
 def _geglu_packed_bwd_op(dy: torch.Tensor, gu: torch.Tensor, approximate: str) -> torch.Tensor:
     return glu_packed_bwd(dy, gu, approx_act(approximate))
 
@@ -512,12 +514,12 @@ def _can_write_grads_into(gate: torch.Tensor, up: torch.Tensor) -> bool:
     return abs(a - b) >= gate.numel() * gate.element_size()
 
 
-@torch.library.custom_op("kprof::swiglu_bwd_inplace", mutates_args=("gate", "up"))
+@kernel_op("kprof::swiglu_bwd_inplace", mutates_args=("gate", "up"))
 def _swiglu_bwd_inplace_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
     _glu_bwd(dy, gate, up, ACT_SILU, in_place=True)
 
 
-@torch.library.custom_op("kprof::geglu_bwd_inplace", mutates_args=("gate", "up"))
+@kernel_op("kprof::geglu_bwd_inplace", mutates_args=("gate", "up"))
 def _geglu_bwd_inplace_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, approximate: str) -> None:
     _glu_bwd(dy, gate, up, approx_act(approximate), in_place=True)
 

@@ -31,7 +31,10 @@ from torch import nn
 from kprof.errors import KprofError
 from kprof.kernels.common import (
     FP_FUSION,
-    interpreter_enabled,
+    INTERPRETED,
+    cdiv,
+    kernel_op,
+    launch,
     num_warps,
     require_triton,
     rows_cols,
@@ -388,12 +391,12 @@ def _launch_fwd(x, weight, bias, eps):
     cfg = _forward_config(n_cols)
     w = weight.contiguous() if weight is not None else x2  # dummy pointer when absent
     b = bias.contiguous() if bias is not None else x2
-    _layer_norm_fwd_kernel[(triton.cdiv(n_rows, cfg.block_m),)](
+    launch(_layer_norm_fwd_kernel, (cdiv(n_rows, cfg.block_m),),
         x2, w, b, y2, stats, stats[2],
         x2.stride(0), y2.stride(0),
         n_rows, n_cols, eps,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, LOOP=cfg.loop,
-        EMULATE_RTNE=interpreter_enabled(), TREE_EMU=interpreter_enabled(),
+        EMULATE_RTNE=INTERPRETED, TREE_EMU=INTERPRETED,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         **FP_FUSION,
     )
@@ -420,14 +423,14 @@ def _launch_bwd(dy, x, weight, stats, dw_dtype, db_dtype):
     db_part = torch.empty((n_programs, n_cols) if compute_db else (1,), dtype=part_dtype, device=x.device)
     # Per-row scratch (c1, c2) for the looped path only; a dummy otherwise.
     c = torch.empty(2 * n_rows if cfg.loop else 1, dtype=torch.float32, device=x.device)
-    _layer_norm_bwd_kernel[(n_programs,)](
+    launch(_layer_norm_bwd_kernel, (n_programs,),
         dy2, x2, weight.contiguous() if weight is not None else x2, stats, stats[2],
         dx2, dw_part, db_part, c,
         dy2.stride(0), x2.stride(0), dx2.stride(0),
         n_rows, n_cols, rows_per_program,
         HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, LOOP=cfg.loop,
-        EMULATE_RTNE=interpreter_enabled(), ACC_F64=dw_acc_f64(x.dtype),
-        TREE_EMU=interpreter_enabled(),
+        EMULATE_RTNE=INTERPRETED, ACC_F64=dw_acc_f64(x.dtype),
+        TREE_EMU=INTERPRETED,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         maxnreg=BWD_MAXNREG if x.element_size() == 2 else None,
         **FP_FUSION,
@@ -445,7 +448,7 @@ def _launch_bwd(dy, x, weight, stats, dw_dtype, db_dtype):
 # --------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("kprof::layer_norm_fwd", mutates_args=())
+@kernel_op("kprof::layer_norm_fwd")
 def _layer_norm_fwd_op(
     x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -458,7 +461,7 @@ def _(x, weight, bias, eps):
     return x.new_empty(x.shape), x.new_empty((3, *x.shape[:-1]), dtype=torch.float32)
 
 
-@torch.library.custom_op("kprof::layer_norm_bwd", mutates_args=())
+@kernel_op("kprof::layer_norm_bwd")
 def _layer_norm_bwd_op(
     dy: torch.Tensor,
     x: torch.Tensor,

@@ -40,8 +40,12 @@ from torch import nn
 from kprof.errors import KprofError
 from kprof.kernels.common import (
     FP_FUSION,
+    INTERPRETED,
     as_rows,
-    interpreter_enabled,
+    cdiv,
+    kernel_op,
+    launch,
+    next_power_of_2,
     num_warps,
     persistent_programs,
     require_triton,
@@ -340,12 +344,12 @@ def sum_partials(*parts: tuple[torch.Tensor, torch.dtype]) -> list[torch.Tensor]
     assert 1 <= len(parts) <= 2 and all(p.shape == parts[0][0].shape for p, _ in parts)
     n_parts, n_cols = parts[0][0].shape
     outs = [torch.empty(n_cols, dtype=dt, device=p.device) for p, dt in parts]
-    block_p = min(triton.next_power_of_2(n_parts), PARTIALS_MAX_BLOCK_P)
-    block_n = min(triton.next_power_of_2(n_cols), max(1, PARTIALS_BLOCK_ELEMS // block_p))
+    block_p = min(next_power_of_2(n_parts), PARTIALS_MAX_BLOCK_P)
+    block_n = min(next_power_of_2(n_cols), max(1, PARTIALS_BLOCK_ELEMS // block_p))
     (p1, _), (p2, _) = parts[0], parts[-1]
-    _partials_sum_kernel[(triton.cdiv(n_cols, block_n),)](
+    launch(_partials_sum_kernel, (cdiv(n_cols, block_n),),
         p1, outs[0], p2, outs[-1], n_parts, n_cols,
-        HAS_SECOND=len(parts) == 2, EMULATE_RTNE=interpreter_enabled(),
+        HAS_SECOND=len(parts) == 2, EMULATE_RTNE=INTERPRETED,
         BLOCK_P=block_p, BLOCK_N=block_n, num_warps=PARTIALS_NUM_WARPS,
         **FP_FUSION,
     )
@@ -386,9 +390,9 @@ class RowConfig:
 def backward_grid(n_rows: int, cfg: RowConfig, device: torch.device) -> tuple[int, int]:
     """(n_programs, rows_per_program) of the persistent backward; rows_per_program is a
     multiple of block_m so blocks never straddle two programs."""
-    n_blocks = triton.cdiv(n_rows, cfg.block_m)
+    n_blocks = cdiv(n_rows, cfg.block_m)
     n_programs = persistent_programs(n_blocks, device, BWD_PROGRAMS_PER_SM)
-    return n_programs, triton.cdiv(n_blocks, n_programs) * cfg.block_m
+    return n_programs, cdiv(n_blocks, n_programs) * cfg.block_m
 
 
 # --------------------------------------------------------------------------------------------
@@ -447,12 +451,12 @@ def _launch_fwd(x, residual, weight, eps, offset, casting):
     s2 = s.view(-1, n_cols) if s is not None else y2
     n_rows = x2.shape[0]
     cfg = RowConfig.forward(n_cols)
-    _rms_norm_fwd_kernel[(triton.cdiv(n_rows, cfg.block_m),)](
+    launch(_rms_norm_fwd_kernel, (cdiv(n_rows, cfg.block_m),),
         x2, r2, weight.contiguous(), y2, s2, rstd,
         x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0),
         n_rows, n_cols, eps, offset,
         HAS_RESIDUAL=residual is not None, GEMMA=casting == "gemma", LOOP=cfg.loop,
-        EMULATE_RTNE=interpreter_enabled(),
+        EMULATE_RTNE=INTERPRETED,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         **FP_FUSION,
     )
@@ -474,12 +478,12 @@ def _launch_bwd(dy, x, weight, rstd, ds, offset):
     dw_part = torch.empty((n_programs, n_cols), dtype=partials_dtype(x.dtype), device=x.device)
     # Per-row scratch for the looped path only (c = mean(g * x_hat)); a dummy otherwise.
     c = torch.empty(n_rows if cfg.loop else 1, dtype=torch.float32, device=x.device)
-    _rms_norm_bwd_kernel[(n_programs,)](
+    launch(_rms_norm_bwd_kernel, (n_programs,),
         dy2, x2, weight.contiguous(), rstd.reshape(-1), ds2, dx2, dw_part, c,
         dy2.stride(0), x2.stride(0), ds2.stride(0), dx2.stride(0),
         n_rows, n_cols, offset, rows_per_program,
         HAS_DS=ds is not None, LOOP=cfg.loop,
-        EMULATE_RTNE=interpreter_enabled(), ACC_F64=dw_acc_f64(x.dtype),
+        EMULATE_RTNE=INTERPRETED, ACC_F64=dw_acc_f64(x.dtype),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         **FP_FUSION,
     )
@@ -494,7 +498,7 @@ def _launch_bwd(dy, x, weight, rstd, ds, offset):
 # --------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("kprof::rms_norm_fwd", mutates_args=())
+@kernel_op("kprof::rms_norm_fwd")
 def _rms_norm_fwd_op(
     x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -508,7 +512,7 @@ def _(x, weight, eps, offset, casting):
     return y, x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
-@torch.library.custom_op("kprof::rms_norm_add_fwd", mutates_args=())
+@kernel_op("kprof::rms_norm_add_fwd")
 def _rms_norm_add_fwd_op(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -522,7 +526,7 @@ def _(x, residual, weight, eps, offset, casting):
     return y, x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
-@torch.library.custom_op("kprof::rms_norm_bwd", mutates_args=())
+@kernel_op("kprof::rms_norm_bwd")
 def _rms_norm_bwd_op(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, ds: Optional[torch.Tensor], offset: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

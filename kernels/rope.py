@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from kprof.errors import KprofError
-from kprof.kernels.common import FP_FUSION, num_warps, use_triton, via_custom_op, warn_fallback
+from kprof.kernels.common import FP_FUSION, kernel_op, launch, next_power_of_2, num_warps, use_triton, via_custom_op, warn_fallback
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -173,8 +173,8 @@ class RopeConfig:
     @functools.lru_cache(maxsize=None)
     def for_shape(n_q_heads: int, n_k_heads: int, half: int) -> "RopeConfig":
         # Cached on ints: built once per shape, not per call (the eager path is host-bound).
-        block_d = min(triton.next_power_of_2(max(half, 1)), MAX_BLOCK_D)
-        bhq, bhk = triton.next_power_of_2(max(n_q_heads, 1)), triton.next_power_of_2(max(n_k_heads, 1))
+        block_d = min(next_power_of_2(max(half, 1)), MAX_BLOCK_D)
+        bhq, bhk = next_power_of_2(max(n_q_heads, 1)), next_power_of_2(max(n_k_heads, 1))
         elems = 2 * (bhq + bhk) * block_d
         if half <= block_d and elems <= MAX_ONE_TILE_ELEMS:
             return RopeConfig(bhq, bhk, block_d, True, num_warps(elems, per_thread=64, max_warps=8))
@@ -244,7 +244,7 @@ def _rope_launch(
         c_sb, c_ss = _cos_strides(cos)
     half = head_dim // 2
     cfg = config or RopeConfig.for_shape(n_q_heads, n_k_heads, half)
-    _rope_kernel[(batch * seq,)](
+    launch(_rope_kernel, (batch * seq,),
         q, k, qo, ko, cos, sin,
         seq, n_q_heads, n_k_heads, half,
         *_bhs_strides(q, unsqueeze_dim), *_bhs_strides(k, unsqueeze_dim),
@@ -272,7 +272,7 @@ def _rope_fwd(q, k, cos, sin, unsqueeze_dim):
 # ---------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("kprof::rope_fwd", mutates_args=())
+@kernel_op("kprof::rope_fwd")
 def rope_fwd_op(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,7 +285,7 @@ def _(q, k, cos, sin, unsqueeze_dim):
     return _out_like(q, out_dtype), _out_like(k, out_dtype)
 
 
-@torch.library.custom_op("kprof::rope_bwd", mutates_args=())
+@kernel_op("kprof::rope_bwd")
 def rope_bwd_op(
     dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

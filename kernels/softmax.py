@@ -46,6 +46,9 @@ import triton.language as tl
 from kprof.errors import KprofError
 from kprof.kernels.common import (
     FP_FUSION,
+    cdiv,
+    kernel_op,
+    launch,
     num_warps,
     row_tile,
     rows_and_stride,
@@ -322,13 +325,13 @@ def _softmax_fwd(
     q_len = shape[-2] if len(shape) >= 2 else 1
     cfg = config or SoftmaxConfig.for_cols(n_cols)
     if cfg.looped:
-        _softmax_fwd_looped_kernel[(n_rows,)](
+        launch(_softmax_fwd_looped_kernel, (n_rows,),
             x2, y, mask_t, n_rows, n_cols, x_rs, n_cols, scale, z1, z2, s0, s1, s2, sc, q_len,
             BLOCK_N=cfg.block_n, HAS_MASK=mask is not None, CAUSAL=causal, num_warps=cfg.num_warps,
             **FP_FUSION,
         )
     else:
-        _softmax_fwd_rows_kernel[(triton.cdiv(n_rows, cfg.rows),)](
+        launch(_softmax_fwd_rows_kernel, (cdiv(n_rows, cfg.rows),),
             x2, y, mask_t, n_rows, n_cols, x_rs, n_cols, scale, z1, z2, s0, s1, s2, sc, q_len,
             ROWS=cfg.rows, BLOCK_N=cfg.block_n, HAS_MASK=mask is not None, CAUSAL=causal,
             IDX64=n_rows + cfg.rows >= 2**31, num_warps=cfg.num_warps,
@@ -352,13 +355,13 @@ def _softmax_bwd(
     q_len = shape[-2] if len(shape) >= 2 else 1
     cfg = config or SoftmaxConfig.for_cols(n_cols)
     if cfg.looped:
-        _softmax_bwd_looped_kernel[(n_rows,)](
+        launch(_softmax_bwd_looped_kernel, (n_rows,),
             y2, dy2, dx, n_rows, n_cols, y_rs, dy_rs, n_cols, scale, q_len,
             BLOCK_N=cfg.block_n, CAUSAL=causal, num_warps=cfg.num_warps,
             **FP_FUSION,
         )
     else:
-        _softmax_bwd_rows_kernel[(triton.cdiv(n_rows, cfg.rows),)](
+        launch(_softmax_bwd_rows_kernel, (cdiv(n_rows, cfg.rows),),
             y2, dy2, dx, n_rows, n_cols, y_rs, dy_rs, n_cols, scale, q_len,
             ROWS=cfg.rows, BLOCK_N=cfg.block_n, CAUSAL=causal, IDX64=n_rows + cfg.rows >= 2**31,
             num_warps=cfg.num_warps,
@@ -372,7 +375,7 @@ def _softmax_bwd(
 # ---------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("kprof::softmax_fwd", mutates_args=())
+@kernel_op("kprof::softmax_fwd")
 def softmax_fwd_op(x: torch.Tensor, mask: Optional[torch.Tensor], scale: float, causal: bool) -> torch.Tensor:
     return _softmax_fwd(x, mask, scale, causal)
 
@@ -382,7 +385,7 @@ def _(x, mask, scale, causal):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-@torch.library.custom_op("kprof::softmax_bwd", mutates_args=())
+@kernel_op("kprof::softmax_bwd")
 def softmax_bwd_op(y: torch.Tensor, dy: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
     return _softmax_bwd(y, dy, scale, causal)
 
