@@ -107,7 +107,11 @@ def kernel_op(name: str, *, mutates_args: Sequence[str] = ()):
 
     def register(body):
         if _COMPILED:
-            return torch.library.triton_op(name, body, mutates_args=tuple(mutates_args))
+            try:
+                return torch.library.triton_op(name, body, mutates_args=tuple(mutates_args))
+            except Exception as e:  # a torch without triton_op, or one that rejects this body
+                warnings.warn(f"kprof: {name} registered as a plain custom op, not a triton_op ({e!r}); "
+                              "under torch.compile it stays one opaque call", stacklevel=2)
         op = torch.library.custom_op(name, body, mutates_args=tuple(mutates_args))
         op.register_fake(body)
         return op
