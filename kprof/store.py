@@ -39,6 +39,8 @@ from kprof.errors import KprofError
 DEFAULT_ROOT = Path(".kprof") / "runs"
 SUMMARY = "summary.json"
 OPS = "ops.parquet"
+KERNELS = "kernels.parquet"  # GPU runs: one row per kernel per recorded step
+NCU = "ncu.json"  # written by `kprof profile --ncu`: Nsight Compute counters of the top kernels
 TRACE = "trace.json.gz"
 PLAN = "plan.json"  # written by kprof suggest
 APPLY = "apply.json"  # in the patched run of kprof apply
@@ -98,6 +100,7 @@ def save_run(
     *,
     root: str | os.PathLike = DEFAULT_ROOT,
     name: str | None = None,
+    kernels: pd.DataFrame | None = None,
 ) -> Path:
     """Write a run atomically under `root` and return its final directory.
 
@@ -111,6 +114,9 @@ def save_run(
         summary.setdefault("format", FORMAT)
         summary["files"] = {"summary": SUMMARY, "ops": OPS, "trace": TRACE if trace_path else None}
         _write_ops(ops, tmp / OPS)
+        if kernels is not None and len(kernels):
+            _write_ops(kernels, tmp / KERNELS)
+            summary["files"]["kernels"] = KERNELS
         if trace_path:
             _gzip_copy(Path(trace_path), tmp / TRACE)
         # summary.json last: its presence marks a complete run (see load_summary).
@@ -265,6 +271,13 @@ def load_ops(run: str | os.PathLike) -> pd.DataFrame:
     path = Path(run) / OPS
     if not path.is_file():
         raise KprofError(f"{path} is missing: {run} is not a complete kprof run (profile again)")
+    return _read_table(path)
+
+
+def _read_table(path: Path) -> pd.DataFrame:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     try:
         table = pq.read_table(path)
     except (OSError, pa.ArrowException) as e:
@@ -280,6 +293,35 @@ def load_ops(run: str | os.PathLike) -> pd.DataFrame:
     for col in json_cols:
         df[col] = [json.loads(s) for s in df[col]]
     return df
+
+
+def load_kernels(run: str | os.PathLike) -> pd.DataFrame | None:
+    """The run's kernels.parquet, or None when it has none (a CPU run, or a run from before it)."""
+    path = Path(run) / KERNELS
+    if not path.is_file():
+        return None
+    return _read_table(path)
+
+
+def write_json(run: str | os.PathLike, name: str, doc: dict) -> Path:
+    """Write `doc` as `name` into an existing run, atomically (a temporary file renamed)."""
+    path = Path(run) / name
+    tmp = path.with_name(f".{name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(jsonable(doc), f, indent=1, allow_nan=False)
+    os.replace(tmp, path)
+    return path
+
+
+def read_json(run: str | os.PathLike, name: str) -> dict | None:
+    """`name` from a run as a dict; None when absent. A corrupt file is a KprofError."""
+    path = Path(run) / name
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise KprofError(f"{path} is corrupt ({e}); re-run the command that wrote it") from e
 
 
 def load_run(spec: str | os.PathLike | None = None, root: str | os.PathLike = DEFAULT_ROOT) -> Run:

@@ -27,6 +27,7 @@ from kprof.store import Run
 from kprof.version import __version__
 
 TOP_K = 15  # top ops kept in summary.json (the full table is in ops.parquet)
+TOP_KERNELS = 20  # top kernels kept in summary.json (every kernel is in kernels.parquet)
 
 Progress = Callable[..., None]  # progress(event: str, **info); see kprof/capture/runner.py
 
@@ -83,7 +84,7 @@ def profile_script(
                              f"trace. The run's measurements and raw trace are saved in {path}.\n{tb.rstrip()}") from None
         summary = build_summary(raw, analysed)
         notify("save")
-        path = store.save_run(summary, ops, raw.trace_path, root=out_root)
+        path = store.save_run(summary, ops, raw.trace_path, root=out_root, kernels=analysed.get("kernels"))
     return Run(path=path, summary=store.load_summary(path), _ops=ops)
 
 
@@ -107,7 +108,7 @@ def _nothing_recorded(raw) -> str:
 
 def analyse(raw) -> tuple[pd.DataFrame, dict]:
     """The per-op table with costs and roofline columns, plus the summary's analysed sections."""
-    from kprof.analyze import ceilings, costmodel, trace
+    from kprof.analyze import ceilings, costmodel, efficiency, kernels, trace
     from kprof.analyze import tables as analysis
 
     events = trace.load_trace(raw.trace_path)
@@ -123,6 +124,13 @@ def analyse(raw) -> tuple[pd.DataFrame, dict]:
     # The runner doesn't record whether TF32 was allowed for fp32 matmuls; the roofline assumes
     # PyTorch's default (off), so fp32 matmuls are held to the fp32 peak.
     ops = analysis.roofline(ops, ceil, tf32=False)
+    gpu = events.device_type == "cuda"
+    sm_count = (raw.device or {}).get("sm_count")
+    # Every kernel its own row (kernels.parquet); the ops take their kernels' grid causes.
+    ktab = kernels.kernel_table(events, ops, ceil, sm_count) if gpu else None
+    extra = kernels.op_grid_causes(ktab)
+    ops = efficiency.qualify(ops, gpu=gpu, sm_count=sm_count,
+                             extra_causes=ops["row_id"].map(extra) if len(extra) and "row_id" in ops else None)
     n = raw.steps_recorded
     idle = analysis.idle_by_step(trace.kernel_table(events), trace.step_windows(events))
     # Every % of step, busy and idle figure is on the unprofiled step (tables.step_basis).
@@ -133,6 +141,9 @@ def analyse(raw) -> tuple[pd.DataFrame, dict]:
         "basis": analysis.idle_basis(idle, plain_ms),
         "class_breakdown": analysis.class_breakdown(ops, idle, n, plain_ms),
         "top_ops": analysis.top_ops(ops, n, TOP_K, ceilings=ceil, idle=idle, plain_ms=plain_ms),
+        "kernels": ktab,
+        "top_kernels": kernels.top_kernels(ktab, n, TOP_KERNELS,
+                                           analysis.idle_basis(idle, plain_ms)["step (us)"]) if gpu else None,
         "coverage": analysis.coverage(ops),
         "estimated": analysis.estimated_share(ops),
         "uncosted": analysis.uncosted(ops, n),
@@ -205,6 +216,9 @@ def build_summary(raw, a: dict | None) -> dict[str, Any]:
         "uncosted_ops": _records(a.get("uncosted")),
         "class_breakdown": _records(a["class_breakdown"]),
         "top_ops": _records(a["top_ops"]),
+        # GPU runs only (None on a CPU run: no kernels); the under-used threshold is not fitted yet
+        "top_kernels": _records(a["top_kernels"]) if a.get("top_kernels") is not None else None,
+        "under_used_threshold": _threshold(),
         "idle_by_step": _records(idle),
         "input_wait_by_step": _records(a.get("input_wait")),
         "syncs": list(raw.syncs),
@@ -213,6 +227,13 @@ def build_summary(raw, a: dict | None) -> dict[str, Any]:
         "module_classes": dict(raw.module_classes),
         "wall_time_s": raw.wall_time_s,
     }
+
+
+def _threshold() -> dict:
+    from kprof.analyze import efficiency
+
+    return {"value": efficiency.UNDER_USED_THRESHOLD, "fitted": False,
+            "note": "provisional; to be fitted on the 1B Llama with ncu counters (issue 26)"}
 
 
 def _figure_basis(basis: dict, overhead_pct: float | None, raw) -> dict:
