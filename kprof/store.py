@@ -265,9 +265,6 @@ def load_summary(run: str | os.PathLike) -> dict:
 
 
 def load_ops(run: str | os.PathLike) -> pd.DataFrame:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     path = Path(run) / OPS
     if not path.is_file():
         raise KprofError(f"{path} is missing: {run} is not a complete kprof run (profile again)")

@@ -789,8 +789,6 @@ def _gpu_rows(events: TraceEvents, names: np.ndarray) -> pd.DataFrame:
     if d.empty:
         return pd.DataFrame()
     d["dur (us)"] = d["dur (us)"].astype(float)
-    has_op = d["owner"].to_numpy() >= 0
-    owned_by_op = has_op & is_op[np.clip(d["owner"].to_numpy(), 0, None)]
     # Rows keyed by op: one per op execution. Rows without an op: one per kernel, keyed by its
     # row in events.device (so kernel_rows can name the op row of every kernel: see row_key).
     d["key"] = row_key(d["owner"].to_numpy(), d["device_row"].to_numpy(), is_op)

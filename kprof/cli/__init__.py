@@ -128,23 +128,65 @@ def profile(
                                       "module) or auto (optimizer if the script has one).")] = StepMode.auto,
     out: Annotated[Path, typer.Option("--out", help="Run store directory.")] = store.DEFAULT_ROOT,
     json_out: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
+    ncu: Annotated[bool, typer.Option("--ncu", help="Then re-run one step under Nsight Compute (ncu) "
+                                      "for the top kernels' hardware counters, shown beside kprof's "
+                                      "class; ~0.4 s per kernel launch.")] = False,
+    ncu_top: Annotated[int, typer.Option("--ncu-top", min=1, help="Kernels (by time) that --ncu "
+                                         "measures.")] = 20,
 ) -> None:
     """Run SCRIPT under the profiler and show where each step's time goes, on the roofline."""
     from kprof.analyze.profile import profile_script
     from kprof.cli import render as report
 
     argv = list(ctx.args)
+    ncu_path = _find_ncu() if ncu else None
+    if ncu and ncu_path is None:
+        from kprof.capture.ncu import HINT
+
+        err_console.print(Text(HINT, style="yellow"))
     with stdout_to_stderr(json_out), _live() as live:
         run = profile_script(str(script), argv, warmup=warmup, steps=steps, run_to_end=run_to_end,
                              step_mode=step.value, out_root=out, progress=live)
+    ncu_doc = _ncu_cross_check(run, ncu_path, ncu_top, json_out) if ncu_path else None
     if json_out:
-        print_json(_run_doc(run.summary, run.path))
+        print_json(_run_doc(run.summary, run.path) | ({"ncu": ncu_doc} if ncu else {}))
     else:
         report.render(run.summary, run.path, console)
+        if ncu_doc is not None:
+            console.print(report.kernels_table(run.summary, console.width))
+            console.print(report.ncu_table(ncu_doc, console.width))
     if run.summary.get("status") == "error":
         raise typer.Exit(run.summary.get("exit_code") or 1)
     if run.summary.get("status") == "interrupted":
         raise typer.Exit(130)  # 128 + SIGINT, the shell's convention
+
+
+def _find_ncu() -> str | None:
+    from kprof.capture.ncu import find_ncu
+
+    return find_ncu()
+
+
+def _ncu_cross_check(run, ncu_path: str, top: int, json_out: bool) -> dict | None:
+    """--ncu after the run is saved: say how long it will take, measure, store ncu.json. A run
+    without kernels (CPU) or a failed step is reported in one line and skipped."""
+    import tempfile
+
+    from kprof.analyze import ncu
+
+    if run.summary.get("status") not in ("completed", "stopped"):
+        err_console.print(Text("--ncu: skipped, the script did not finish its recorded steps", style="yellow"))
+        return None
+    selected = ncu.select(ncu.plan(run), top)
+    if selected.empty:
+        err_console.print(Text("--ncu: no device kernels in this run (a CPU run); nothing to measure", style="yellow"))
+        return None
+    secs = ncu.estimate_seconds(selected)
+    err_console.print(Text(f"ncu: measuring the top {len(selected)} kernels, {int(selected['launches/step'].sum())} "
+                           f"launches in one step, about {secs:.0f} s at {ncu.SECONDS_PER_LAUNCH} s per launch",
+                           style="dim"))
+    with tempfile.TemporaryDirectory(prefix="kprof-ncu-") as d, stdout_to_stderr(json_out):
+        return ncu.cross_check(run, selected, ncu_path, d)
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,16 +241,26 @@ def report_cmd(
     run: Annotated[Optional[str], typer.Argument(help="Run directory or name; default: the latest.")] = None,
     out: Annotated[Path, typer.Option("--out", help="Run store directory.")] = store.DEFAULT_ROOT,
     json_out: Annotated[bool, typer.Option("--json", help="Print the run as one JSON document.")] = False,
+    kernels: Annotated[bool, typer.Option("--kernels", help="Show the top kernels (every kernel is its "
+                                          "own row) and, after `profile --ncu`, ncu's counters beside "
+                                          "kprof's class, instead of the per-op report.")] = False,
 ) -> None:
     """Show a saved run's report again."""
     from kprof.cli import render as report
 
     r = store.load_run(run, out)
     compared = (Path(r.path) / store.COMPARE).is_file()  # one variant of `kprof apply --compare`
+    ncu_doc = store.read_json(r.path, store.NCU)
     if json_out:
         from kprof.patching.compare import load_compare
 
-        print_json(_run_doc(r.summary, Path(r.path)) | {"compare": load_compare(r.path) if compared else None})
+        print_json(_run_doc(r.summary, Path(r.path)) | {"compare": load_compare(r.path) if compared else None}
+                   | ({"ncu": ncu_doc} if kernels else {}))
+        return
+    if kernels:
+        console.print(report.kernels_table(r.summary, console.width))
+        if ncu_doc is not None:
+            console.print(report.ncu_table(ncu_doc, console.width))
         return
     report.render(r.summary, r.path, console)
     if compared:  # show the whole comparison

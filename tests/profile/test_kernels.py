@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import math
 
+import gpu_kernel_trace
 import numpy as np
 import pandas as pd
 import pytest
 
-import gpu_kernel_trace
 from kprof.analyze import ceilings, costmodel, efficiency, kernels, tables, trace
 
 H200 = ceilings.datasheet_for("NVIDIA H200")
