@@ -13,9 +13,8 @@ from kprof.analyze import ceilings, costmodel, efficiency, kernels, tables, trac
 from kprof.rules.diagnoses import DIAGNOSES, diagnose, strided_elementwise
 
 sys.path.insert(0, str(Path(__file__).parent / "profile"))
-import gpu_kernel_trace  # noqa: E402
-from planted import SCRIPTS  # noqa: E402
-
+import gpu_kernel_trace
+from planted import SCRIPTS
 
 
 def _ops(tmp_path):

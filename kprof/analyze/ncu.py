@@ -251,10 +251,13 @@ def cross_check(run, selected: pd.DataFrame, ncu_path: str, workdir, timeout_s: 
     text = capture.run(ncu_path, s["script"], list(s.get("argv") or []), list(selected["kernel"]), metrics,
                        int(s.get("steps_before_timing") or s.get("warmup") or 3), workdir, timeout_s)
     launches = parse_csv(text)
-    table = compare(selected, per_kernel(launches))
+    counters = per_kernel(launches)
+    table = compare(selected, counters)
     doc = {"metrics": metrics, "rule": {"bound %": BOUND_PCT, "tensor active %": TENSOR_ACTIVE_PCT},
            "under_used_threshold": efficiency.UNDER_USED_THRESHOLD, "threshold_fitted": False,
            "launches measured": len(launches), "kernels": table.to_dict(orient="records"),
+           # the raw counters per kernel name, so a threshold can be re-scored without ncu
+           "counters": counters.to_dict(orient="records"),
            "agreement": agreement(table)}
     store.write_json(run.path, store.NCU, doc)
     return doc

@@ -226,3 +226,21 @@ def test_report_kernels_cpu_run(capsys, monkeypatch, tmp_path):
                           pd.DataFrame({"op": ["aten::mm"]}), None, root=tmp_path)
     code, out, _ = _cli(capsys, monkeypatch, 80, "report", path, "--kernels")
     assert code == 0 and "CPU run: no device kernels" in " ".join(out.split())
+
+
+def test_agreement_benchmark_rescores_a_threshold(gpu_run):
+    """benchmarks/ncu_agreement.py's fit step (not run on the H200 yet) on planted counters: a
+    threshold low enough calls nothing under-used, and the strided add then disagrees."""
+    from benchmarks import ncu_agreement
+
+    counters = pd.DataFrame({"kernel": ["elementwise_kernel_add", "sm90_xmma_gemm_bf16bf16_bf16f32"],
+                             "launches": [1, 1], "duration (ns)": [1.5e5, 2e5], "DRAM %": [30.0, 20.0],
+                             "SM %": [60.0, 70.0], "tensor %": [0.0, 70.0], "FMA %": [20.0, 2.0],
+                             "ALU %": [20.0, 2.0], "occupancy %": [80.0, 20.0]})
+    t_hi, a_hi = ncu_agreement.requalify(gpu_run, counters, 20, 0.5)
+    t_lo, a_lo = ncu_agreement.requalify(gpu_run, counters, 20, 0.1)
+    add = "elementwise_kernel_add"
+    assert t_hi.set_index("kernel").loc[add, "agree"] and not t_lo.set_index("kernel").loc[add, "agree"]
+    assert (a_hi["agree"], a_lo["agree"]) == (2, 1)
+    md = ncu_agreement.markdown("synthetic", "fit", t_hi, a_hi, 0.5)
+    assert md[0] == "## synthetic (fit, threshold 0.50)" and any("memory-bound, under-used" in ln for ln in md)
