@@ -5,6 +5,7 @@ and on planted values."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import gpu_kernel_trace
 import numpy as np
@@ -140,3 +141,32 @@ def test_qualify_planted_threshold():
     assert list(q[efficiency.QUALIFIER]) == [True, False, True, False, False]
     assert list(q["causes"]) == ["", "", "", "", ""]
     assert efficiency.label("memory-bound", True) == "memory-bound, under-used"
+
+
+
+@pytest.mark.gpu
+def test_gpu_real_trace_kernel_rows(tmp_path):
+    """On a real GPU trace: Kineto records the launch arguments, and the kernel rows hold every
+    kernel of the op table, each once, with its cost split."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("make_traces", Path(__file__).parents[1] / "data" / "make_traces.py")
+    make_traces = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_traces)
+    model = make_traces.MLP(256, 1024).cuda()
+    x = torch.randn(512, 256, device="cuda")
+
+    def step():
+        model(x).square().mean().backward()
+
+    ev = trace.load_trace(make_traces.record(model, step, 2, tmp_path / "gpu.json.gz", warmup=2))
+    ops = tables.roofline(costmodel.annotate(trace.op_table(ev)), H200)
+    k = kernels.kernel_table(ev, ops, H200, torch.cuda.get_device_properties(0).multi_processor_count)
+    kk = k[k["cat"] == "kernel"]
+    assert len(kk) and all(len(g) == 3 for g in kk["grid"]) and (kk["blocks per SM"] > 0).all()
+    np.testing.assert_allclose(k["dur (us)"].sum(), ops["device_time (us)"].sum(), rtol=1e-9)
+    by_op = k.groupby("row_id")[["flops"]].sum(min_count=1)["flops"].dropna()
+    np.testing.assert_allclose(by_op.to_numpy(), ops.set_index("row_id").loc[by_op.index, "flops"].to_numpy(),
+                               rtol=1e-9)
