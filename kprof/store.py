@@ -39,6 +39,8 @@ from kprof.errors import KprofError
 DEFAULT_ROOT = Path(".kprof") / "runs"
 SUMMARY = "summary.json"
 OPS = "ops.parquet"
+KERNELS = "kernels.parquet"  # GPU runs: one row per kernel per recorded step
+NCU = "ncu.json"  # written by `kprof profile --ncu`: Nsight Compute counters of the top kernels
 TRACE = "trace.json.gz"
 PLAN = "plan.json"  # written by kprof suggest
 APPLY = "apply.json"  # in the patched run of kprof apply
@@ -102,6 +104,7 @@ def save_run(
     name: str | None = None,
     memory: dict | None = None,
     memory_snapshot: str | os.PathLike | None = None,
+    kernels: pd.DataFrame | None = None,
 ) -> Path:
     """Write a run atomically under `root` and return its final directory.
 
@@ -112,6 +115,9 @@ def save_run(
         _write_ops(ops, tmp / OPS)
         if trace_path:
             _gzip_copy(Path(trace_path), tmp / TRACE)
+        if kernels is not None and len(kernels):
+            _write_ops(kernels, tmp / KERNELS)
+            files["kernels"] = KERNELS
         if memory is not None:
             with gzip.open(tmp / MEMORY, "wt", compresslevel=6) as f:
                 json.dump(jsonable(memory), f)
@@ -132,7 +138,7 @@ def save_group(summary: dict, lead: Path, ranks: Sequence[Path], *, root: str | 
     `summary` at the top, and every rank's complete run folder moved under ranks/. Atomic like
     save_run: the folder appears complete or not at all."""
     def fill(tmp: Path) -> dict:
-        files = {"ops": OPS, "trace": TRACE, "memory": MEMORY, "memory_snapshot": MEMORY_SNAPSHOT}
+        files = {"ops": OPS, "trace": TRACE, "kernels": KERNELS, "memory": MEMORY, "memory_snapshot": MEMORY_SNAPSHOT}
         for f in files.values():
             if (lead / f).exists():
                 shutil.copy2(lead / f, tmp / f)
@@ -300,12 +306,16 @@ def load_summary(run: str | os.PathLike) -> dict:
 
 
 def load_ops(run: str | os.PathLike) -> pd.DataFrame:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     path = Path(run) / OPS
     if not path.is_file():
         raise KprofError(f"{path} is missing: {run} is not a complete kprof run (profile again)")
+    return _read_table(path)
+
+
+def _read_table(path: Path) -> pd.DataFrame:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     try:
         table = pq.read_table(path)
     except (OSError, pa.ArrowException) as e:
@@ -333,6 +343,35 @@ def load_memory(run: str | os.PathLike) -> dict | None:
             return json.load(f)
     except (OSError, EOFError, json.JSONDecodeError) as e:
         raise KprofError(f"{path} is corrupt ({e}); profile the script again") from e
+
+
+def load_kernels(run: str | os.PathLike) -> pd.DataFrame | None:
+    """The run's kernels.parquet, or None when it has none (a CPU run, or a run from before it)."""
+    path = Path(run) / KERNELS
+    if not path.is_file():
+        return None
+    return _read_table(path)
+
+
+def write_json(run: str | os.PathLike, name: str, doc: dict) -> Path:
+    """Write `doc` as `name` into an existing run, atomically (a temporary file renamed)."""
+    path = Path(run) / name
+    tmp = path.with_name(f".{name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(jsonable(doc), f, indent=1, allow_nan=False)
+    os.replace(tmp, path)
+    return path
+
+
+def read_json(run: str | os.PathLike, name: str) -> dict | None:
+    """`name` from a run as a dict; None when absent. A corrupt file is a KprofError."""
+    path = Path(run) / name
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise KprofError(f"{path} is corrupt ({e}); re-run the command that wrote it") from e
 
 
 def load_run(spec: str | os.PathLike | None = None, root: str | os.PathLike = DEFAULT_ROOT) -> Run:

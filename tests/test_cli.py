@@ -232,7 +232,7 @@ def test_profile_gpt_example_end_to_end(gpt_run):
     r, root = gpt_run
     assert r.returncode == 0, r.stderr
     run = store.load_run(None, root)
-    assert sorted(p.name for p in run.path.iterdir()) == ["ops.parquet", "summary.json", "trace.json.gz"]
+    assert sorted(p.name for p in run.path.iterdir()) == ["memory.json.gz", "ops.parquet", "summary.json", "trace.json.gz"]
 
     s = run.summary
     assert s["status"] == "stopped" and s["steps_recorded"] == 5 and s["warmup"] == 3

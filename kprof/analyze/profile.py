@@ -29,6 +29,7 @@ from kprof.store import Run
 from kprof.version import __version__
 
 TOP_K = 15  # top ops kept in summary.json (the full table is in ops.parquet)
+TOP_KERNELS = 20  # top kernels kept in summary.json (every kernel is in kernels.parquet)
 
 Progress = Callable[..., None]  # progress(event: str, **info); see kprof/capture/runner.py
 
@@ -97,9 +98,9 @@ def profile_script(
         notify("save")
         rank = rank_env()
         if rank is not None:
-            return _save_rank(summary, ops, raw, rank, out_root)
+            return _save_rank(summary, ops, raw, rank, out_root, analysed.get("kernels"))
         path = store.save_run(summary, ops, raw.trace_path, root=out_root, memory=raw.memory,
-                              memory_snapshot=raw.memory_snapshot_path)
+                              memory_snapshot=raw.memory_snapshot_path, kernels=analysed.get("kernels"))
     return Run(path=path, summary=store.load_summary(path), _ops=ops)
 
 
@@ -148,7 +149,7 @@ def _profile_job(script: str, argv: list[str], nproc: int, *, warmup: int, steps
                      exit_code=code)
 
 
-def _save_rank(summary: dict, ops: pd.DataFrame, raw, env: dict, out_root) -> Run:
+def _save_rank(summary: dict, ops: pd.DataFrame, raw, env: dict, out_root, kernel_rows=None) -> Run:
     """Save this rank's run under <out>/.ranks-<group>/rank<N> (hidden: not a run of its own);
     rank 0 then waits for the others and saves the merged run (store.save_group)."""
     import shutil
@@ -163,7 +164,7 @@ def _save_rank(summary: dict, ops: pd.DataFrame, raw, env: dict, out_root) -> Ru
     if mine.exists():  # left by an earlier launch that reused the rendezvous address
         shutil.rmtree(mine, ignore_errors=True)
     path = store.save_run(summary, ops, raw.trace_path, root=staging, name=f"rank{rank}", memory=raw.memory,
-                          memory_snapshot=raw.memory_snapshot_path)
+                          memory_snapshot=raw.memory_snapshot_path, kernels=kernel_rows)
     if rank != 0:
         return Run(path=path, summary=summary, _ops=ops)
 
@@ -208,7 +209,7 @@ def _nothing_recorded(raw) -> str:
 
 def analyse(raw) -> tuple[pd.DataFrame, dict]:
     """The per-op table with costs and roofline columns, plus the summary's analysed sections."""
-    from kprof.analyze import ceilings, costmodel, distributed, trace
+    from kprof.analyze import ceilings, costmodel, distributed, efficiency, kernels, trace
     from kprof.analyze import tables as analysis
 
     events = trace.load_trace(raw.trace_path)
@@ -224,9 +225,16 @@ def analyse(raw) -> tuple[pd.DataFrame, dict]:
     # The runner doesn't record whether TF32 was allowed for fp32 matmuls; the roofline assumes
     # PyTorch's default (off), so fp32 matmuls are held to the fp32 peak.
     ops = analysis.roofline(ops, ceil, tf32=False)
+    gpu = events.device_type == "cuda"
+    sm_count = (raw.device or {}).get("sm_count")
+    # Every kernel its own row (kernels.parquet); the ops take their kernels' grid causes.
+    ktab = kernels.kernel_table(events, ops, ceil, sm_count) if gpu else None
+    extra = kernels.op_grid_causes(ktab)
+    ops = efficiency.qualify(ops, gpu=gpu, sm_count=sm_count,
+                             extra_causes=ops["row_id"].map(extra) if len(extra) and "row_id" in ops else None)
     n = raw.steps_recorded
-    kernels = trace.kernel_table(events)
-    idle = analysis.idle_by_step(kernels, trace.step_windows(events))
+    busy = trace.kernel_table(events)
+    idle = analysis.idle_by_step(busy, trace.step_windows(events))
     # Every % of step, busy and idle figure is on the unprofiled step (tables.step_basis).
     plain_ms = analysis.step_stats(raw.step_times_ms)["median"] if raw.step_times_ms else None
     out = {
@@ -235,15 +243,18 @@ def analyse(raw) -> tuple[pd.DataFrame, dict]:
         "basis": analysis.idle_basis(idle, plain_ms),
         "class_breakdown": analysis.class_breakdown(ops, idle, n, plain_ms),
         "top_ops": analysis.top_ops(ops, n, TOP_K, ceilings=ceil, idle=idle, plain_ms=plain_ms),
+        "kernels": ktab,
+        "top_kernels": kernels.top_kernels(ktab, n, TOP_KERNELS,
+                                           analysis.idle_basis(idle, plain_ms)["step (us)"]) if gpu else None,
         "coverage": analysis.coverage(ops),
         "estimated": analysis.estimated_share(ops),
         "uncosted": analysis.uncosted(ops, n),
         "step_time_ms": _stats(analysis, raw.step_times_ms),
         "profiled_step_time_ms": _stats(analysis, raw.profiled_step_times_ms),
         "overhead": analysis.overhead(raw.profiled_step_times_ms, raw.step_times_ms),
+        "communication": distributed.communication(busy, n),
         # DataLoader fetches and host-to-device copies per step, with the GPU idle inside them (all
         # device activity counts as busy, also the previous step's tail that belongs to no step).
-        "communication": distributed.communication(kernels, n),
         "input_wait": analysis.input_wait_by_step(
             trace.input_ranges(events), events.device if events.device_type == "cuda" else None,
             events.steps["step"].tolist()),
@@ -308,6 +319,9 @@ def build_summary(raw, a: dict | None) -> dict[str, Any]:
         "uncosted_ops": _records(a.get("uncosted")),
         "class_breakdown": _records(a["class_breakdown"]),
         "top_ops": _records(a["top_ops"]),
+        # GPU runs only (None on a CPU run: no kernels); the under-used threshold is not fitted yet
+        "top_kernels": _records(a["top_kernels"]) if a.get("top_kernels") is not None else None,
+        "under_used_threshold": _threshold(),
         "idle_by_step": _records(idle),
         "input_wait_by_step": _records(a.get("input_wait")),
         "communication": a.get("communication"),
@@ -330,6 +344,13 @@ def _memory(raw) -> dict | None:
         return memory.from_record(raw.memory) or None
     except Exception as e:  # noqa: BLE001 - a bug here must not cost the profile
         return {"error": f"memory breakdown failed: {e!r}"}
+
+
+def _threshold() -> dict:
+    from kprof.analyze import efficiency
+
+    return {"value": efficiency.UNDER_USED_THRESHOLD, "fitted": False,
+            "note": "provisional; to be fitted on the 1B Llama with ncu counters (issue 26)"}
 
 
 def _figure_basis(basis: dict, overhead_pct: float | None, raw) -> dict:

@@ -98,7 +98,7 @@ SHORT_DTYPES = {
 OP_COLUMNS = [
     "step", "module", "module_class", "phase", "op", "input_shapes", "input_dtypes", "input_strides",
     "concrete_inputs", "input_types", "shapes", "dtype", "device_time (us)", "n_kernels", "kernel",
-    "op_id", "parent_id", "ts (us)", "dur (us)", "tid", "called_op",
+    "op_id", "parent_id", "ts (us)", "dur (us)", "tid", "called_op", "row_id",
 ]
 
 
@@ -275,7 +275,9 @@ def _device_table(dev: pd.DataFrame, host: pd.DataFrame, t0: int) -> pd.DataFram
     """Kernels/memcpys/memsets, each with the host row of its launch (`launch`, -1 if unknown)."""
     cols = ["name", "cat", "start_ns", "end_ns", "ts (us)", "dur (us)", "stream", "device", "correlation", "launch"]
     if dev.empty:
-        return pd.DataFrame({c: pd.Series(dtype=object if c in ("name", "cat") else float) for c in cols})
+        out = pd.DataFrame({c: pd.Series(dtype=object if c in ("name", "cat") else float) for c in cols})
+        out["args"] = pd.Series(dtype=object)
+        return out
     dev = dev.copy()
     args = dev["args"]
     dev["correlation"] = pd.to_numeric(_arg(args, "correlation"), errors="coerce")
@@ -303,7 +305,7 @@ def _device_table(dev: pd.DataFrame, host: pd.DataFrame, t0: int) -> pd.DataFram
         dev["launch"] = launch.fillna(-1).astype(np.int64)
     dev["ts (us)"] = (dev["start_ns"] - t0) / 1e3
     dev["dur (us)"] = (dev["end_ns"] - dev["start_ns"]) / 1e3
-    return dev[cols + ["external_id"]].reset_index(drop=True)
+    return dev[cols + ["external_id", "args"]].reset_index(drop=True)
 
 
 def _steps_table(host: pd.DataFrame, t0: int) -> pd.DataFrame:
@@ -620,12 +622,27 @@ def op_table(events: TraceEvents) -> pd.DataFrame:
     phase ("fwd" | "bwd" | "optim" | "other"), op, input_shapes, input_dtypes (torch dtype names
     for tensors, the trace's type name otherwise), input_strides, concrete_inputs, input_types
     (raw), shapes and dtype (display strings), device time (us), n_kernels, kernel (longest),
-    op_id / parent_id (host row ids; parent_id is -1 or another row's op_id), ts (us), dur (us), tid.
+    op_id / parent_id (host row ids; parent_id is -1 or another row's op_id), ts (us), dur (us), tid,
+    called_op, row_id (the row's id in the trace, which kernel_rows' rows name: see row_key).
     """
     host = events.host
     if host.empty or events.steps.empty:
         return _empty_ops()
     names = host["name"].astype(str).to_numpy()
+    is_op = host["is_op"].to_numpy()
+    module, module_class, phase, owner = _host_context(events, names)
+
+    if events.device_type == "cuda":
+        rows = _gpu_rows(events, names)
+    else:
+        rows = _cpu_rows(events)
+    return _finish_rows(rows, events, names, is_op, module, module_class, phase, owner)
+
+
+def _host_context(events: TraceEvents, names: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Per host row: module path, module class, phase, and the module range row that owns it
+    (-1: none)."""
+    host = events.host
     seq = pd.to_numeric(_arg(host["args"], "Sequence number"), errors="coerce").to_numpy()
 
     # Module of every host row: forward context first; backward rows through the sequence number
@@ -649,11 +666,12 @@ def op_table(events: TraceEvents) -> pd.DataFrame:
     phase = np.where(optim, "optim", np.where(bwd_idx >= 0, "bwd", np.where(mod_idx >= 0, "fwd", "other")))
     module = np.where(optim, OPTIMIZER, module)
     module_class = np.where(optim, "", module_class)
+    return module, module_class, phase, owner
 
-    if events.device_type == "cuda":
-        rows = _gpu_rows(events, names)
-    else:
-        rows = _cpu_rows(events)
+
+def _finish_rows(rows: pd.DataFrame, events: TraceEvents, names: np.ndarray, is_op: np.ndarray, module: np.ndarray,
+                 module_class: np.ndarray, phase: np.ndarray, owner: np.ndarray) -> pd.DataFrame:
+    host = events.host
     if rows.empty:
         return _empty_ops()
     h = rows["host_row"].to_numpy()
@@ -724,6 +742,7 @@ def _cpu_rows(events: TraceEvents) -> pd.DataFrame:
     ops = ops[keep]
     return pd.DataFrame({
         "host_row": ops.index.to_numpy(),
+        "row_id": ops.index.to_numpy(),
         "step": step[keep],
         "op": ops["name"].astype(str).to_numpy(),
         "device_time (us)": ops["self_ns"].to_numpy() / 1e3,
@@ -734,31 +753,48 @@ def _cpu_rows(events: TraceEvents) -> pd.DataFrame:
     })
 
 
+def row_key(owner: np.ndarray, device_row: np.ndarray, is_op: np.ndarray) -> np.ndarray:
+    """The op-table row of each device activity (`row_id`): the owning op's host row when an op
+    launched it, else -1 - its row in events.device (one op-table row per such kernel)."""
+    owner = np.asarray(owner, np.int64)
+    by_op = (owner >= 0) & is_op[np.clip(owner, 0, None)] if len(is_op) else np.zeros(len(owner), bool)
+    return np.where(by_op, owner, -1 - np.asarray(device_row, np.int64))
+
+
+def _owners(events: TraceEvents) -> np.ndarray:
+    """Per device activity: the innermost op enclosing its launch, the launch row itself when no
+    op encloses it, or -1 without a launch event."""
+    launch = events.device["launch"].to_numpy().astype(np.int64)
+    host = events.host
+    if not len(host):
+        return np.full(len(launch), -1, np.int64)
+    op_parent = host["op_parent"].to_numpy()
+    is_op = host["is_op"].to_numpy()
+    hl = np.clip(launch, 0, None)
+    return np.where(launch < 0, -1, np.where(is_op[hl], hl, np.where(op_parent[hl] >= 0, op_parent[hl], hl)))
+
+
 def _gpu_rows(events: TraceEvents, names: np.ndarray) -> pd.DataFrame:
     """Group device activity by the op (innermost op enclosing the launch) or, without one, by the
     launch event itself."""
     d = events.device.copy()
     host = events.host
-    launch = d["launch"].to_numpy()
-    op_parent = host["op_parent"].to_numpy()
     is_op = host["is_op"].to_numpy()
-    hl = np.clip(launch, 0, None)
     # The runtime event's innermost enclosing op; if the launch row is itself an op (External id
     # fallback) use it; if it has no op, keep the launch row for its module/phase context.
-    owner = np.where(launch < 0, -1, np.where(is_op[hl], hl, np.where(op_parent[hl] >= 0, op_parent[hl], hl)))
-    d["owner"] = owner
+    d["owner"] = _owners(events)
+    d["device_row"] = np.arange(len(d))
     d["step"] = _device_steps(events)
     d = d[d["step"] >= 0]
     if d.empty:
         return pd.DataFrame()
     d["dur (us)"] = d["dur (us)"].astype(float)
-    has_op = d["owner"].to_numpy() >= 0
-    owned_by_op = has_op & is_op[np.clip(d["owner"].to_numpy(), 0, None)]
-    # Rows keyed by op: one per op execution. Rows without an op: one per kernel.
-    d["key"] = np.where(owned_by_op, d["owner"], -1 - np.arange(len(d)))
+    # Rows keyed by op: one per op execution. Rows without an op: one per kernel, keyed by its
+    # row in events.device (so kernel_rows can name the op row of every kernel: see row_key).
+    d["key"] = row_key(d["owner"].to_numpy(), d["device_row"].to_numpy(), is_op)
     d = d.sort_values("dur (us)", ascending=False, kind="stable")
     g = d.groupby("key", sort=False).agg(
-        host_row=("owner", "first"), step=("step", "first"), kernel=("name", "first"),
+        row_id=("key", "first"), host_row=("owner", "first"), step=("step", "first"), kernel=("name", "first"),
         device_time=("dur (us)", "sum"), n_kernels=("name", "size"), ts=("ts (us)", "min"),
         dur=("dur (us)", "sum"))
     g = g.reset_index(drop=True).rename(columns={"device_time": "device_time (us)", "ts": "ts (us)", "dur": "dur (us)"})
@@ -766,6 +802,58 @@ def _gpu_rows(events: TraceEvents, names: np.ndarray) -> pd.DataFrame:
     g["op"] = np.where(hr >= 0, names[np.clip(hr, 0, None)], g["kernel"])
     g["op"] = np.where((hr >= 0) & is_op[np.clip(hr, 0, None)], g["op"], g["kernel"])
     return g
+
+
+# Kineto's launch arguments on a kernel event (libkineto's ChromeTraceLogger, CUPTI's kernel
+# activity record): grid and block as [x, y, z]; "blocks per SM" = grid blocks / SM count;
+# "est. achieved occupancy %" from CUDA's occupancy calculator. Memcpy/memset events have none.
+KERNEL_ARGS = {"grid": "grid", "block": "block", "registers per thread": "registers",
+               "shared memory": "shared memory (B)", "blocks per SM": "blocks per SM",
+               "warps per SM": "warps per SM", "est. achieved occupancy %": "est. occupancy %"}
+
+KERNEL_COLUMNS = ["step", "row_id", "module", "module_class", "phase", "op", "kernel", "cat", "stream",
+                  "ts (us)", "dur (us)", "grid", "block", "blocks", "threads per block", "registers",
+                  "shared memory (B)", "blocks per SM", "warps per SM", "est. occupancy %"]
+
+
+def kernel_rows(events: TraceEvents) -> pd.DataFrame:
+    """Every kernel, memcpy and memset of the recorded steps as its own row, with the op-table row
+    it belongs to (`row_id`, see row_key), its module, phase and op (as op_table names them), its
+    own time and Kineto's launch arguments (grid, block, registers, shared memory, blocks and warps
+    per SM, estimated occupancy; NaN or [] where the trace has none). Empty on a CPU-only trace."""
+    d = events.device
+    host = events.host
+    if events.device_type != "cuda" or d.empty or events.steps.empty:
+        return pd.DataFrame({c: pd.Series(dtype=object) for c in KERNEL_COLUMNS})
+    names = host["name"].astype(str).to_numpy()
+    is_op = host["is_op"].to_numpy()
+    module, module_class, phase, _ = _host_context(events, names)
+    owner = _owners(events)
+    step = _device_steps(events)
+    rid = row_key(owner, np.arange(len(d)), is_op)
+    valid = owner >= 0
+    oo = np.clip(owner, 0, None)
+    kname = d["name"].astype(str).to_numpy()
+    out = pd.DataFrame({
+        "step": step, "row_id": rid,
+        "module": np.where(valid, module[oo], UNATTRIBUTED),
+        "module_class": np.where(valid, module_class[oo], ""),
+        "phase": np.where(valid, phase[oo], "other"),
+        "op": np.where(valid & is_op[oo], names[oo], kname),
+        "kernel": kname, "cat": d["cat"].astype(str).to_numpy(), "stream": d["stream"].to_numpy(),
+        "ts (us)": d["ts (us)"].to_numpy(float), "dur (us)": d["dur (us)"].to_numpy(float),
+    })
+    args = d["args"] if "args" in d else pd.Series([{}] * len(d))
+    for key, col in KERNEL_ARGS.items():
+        v = _arg(args, key)
+        if col in ("grid", "block"):
+            out[col] = [list(x) if isinstance(x, (list, tuple)) and len(x) == 3 else [] for x in v]
+        else:
+            out[col] = pd.to_numeric(v, errors="coerce").to_numpy(dtype=float)
+    out["blocks"] = [float(np.prod(g)) if g else np.nan for g in out["grid"]]
+    out["threads per block"] = [float(np.prod(b)) if b else np.nan for b in out["block"]]
+    out = out[out["step"] >= 0]
+    return out[KERNEL_COLUMNS].sort_values(["step", "ts (us)"], kind="stable").reset_index(drop=True)
 
 
 # ----------------------------------------------------------------------------------------------

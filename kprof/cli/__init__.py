@@ -131,6 +131,11 @@ def profile(
     nproc_per_node: Annotated[Optional[int], typer.Option("--nproc-per-node", help="Run SCRIPT under torchrun "
                               "with N processes; every rank is profiled and rank 0 saves one merged run. "
                               "Under your own torchrun this happens without the option.")] = None,
+    ncu: Annotated[bool, typer.Option("--ncu", help="Then re-run one step under Nsight Compute (ncu) "
+                                      "for the top kernels' hardware counters, shown beside kprof's "
+                                      "class; ~0.4 s per kernel launch.")] = False,
+    ncu_top: Annotated[int, typer.Option("--ncu-top", min=1, help="Kernels (by time) that --ncu "
+                                         "measures.")] = 20,
 ) -> None:
     """Run SCRIPT under the profiler and show where each step's time goes, on the roofline."""
     from kprof.analyze.profile import profile_script, rank_env
@@ -138,15 +143,20 @@ def profile(
 
     argv = list(ctx.args)
     if nproc_per_node is not None:
-        if json_out:
+        if json_out or ncu:
             from kprof.errors import KprofError
 
-            raise KprofError("--json goes with one process; with --nproc-per-node, run `kprof report --json` "
-                             "on the merged run afterwards", exit_code=2)
+            raise KprofError("--json and --ncu go with one process; with --nproc-per-node, run `kprof report "
+                             "--json` on the merged run afterwards", exit_code=2)
         # The ranks print (rank 0 the merged report); this process only waits for them.
         run = profile_script(str(script), argv, warmup=warmup, steps=steps, run_to_end=run_to_end,
                              step_mode=step.value, out_root=out, nproc_per_node=nproc_per_node)
         raise typer.Exit(_exit_code(run.summary))
+    ncu_path = _find_ncu() if ncu else None
+    if ncu and ncu_path is None:
+        from kprof.capture.ncu import HINT
+
+        err_console.print(Text(HINT, style="yellow"))
     rank = rank_env()
     quiet = rank is not None and rank["rank"] != 0
     with stdout_to_stderr(json_out), (nullcontext() if quiet else _live()) as live:
@@ -155,10 +165,14 @@ def profile(
     if quiet:
         err_console.print(f"kprof: rank {rank['rank']} of {rank['world_size']} recorded; rank 0 saves the merged run")
         raise typer.Exit(_exit_code(run.summary))
+    ncu_doc = _ncu_cross_check(run, ncu_path, ncu_top, json_out) if ncu_path else None
     if json_out:
-        print_json(_run_doc(run.summary, run.path))
+        print_json(_run_doc(run.summary, run.path) | ({"ncu": ncu_doc} if ncu else {}))
     else:
         report.render(run.summary, run.path, console)
+        if ncu_doc is not None:
+            console.print(report.kernels_table(run.summary, console.width))
+            console.print(report.ncu_table(ncu_doc, console.width))
     raise typer.Exit(_exit_code(run.summary))
 
 
@@ -168,6 +182,34 @@ def _exit_code(summary: dict) -> int:
     if summary.get("status") == "interrupted":
         return 130  # 128 + SIGINT, the shell's convention
     return 0
+
+
+def _find_ncu() -> str | None:
+    from kprof.capture.ncu import find_ncu
+
+    return find_ncu()
+
+
+def _ncu_cross_check(run, ncu_path: str, top: int, json_out: bool) -> dict | None:
+    """--ncu after the run is saved: say how long it will take, measure, store ncu.json. A run
+    without kernels (CPU) or a failed step is reported in one line and skipped."""
+    import tempfile
+
+    from kprof.analyze import ncu
+
+    if run.summary.get("status") not in ("completed", "stopped"):
+        err_console.print(Text("--ncu: skipped, the script did not finish its recorded steps", style="yellow"))
+        return None
+    selected = ncu.select(ncu.plan(run), top)
+    if selected.empty:
+        err_console.print(Text("--ncu: no device kernels in this run (a CPU run); nothing to measure", style="yellow"))
+        return None
+    secs = ncu.estimate_seconds(selected)
+    err_console.print(Text(f"ncu: measuring the top {len(selected)} kernels, {int(selected['launches/step'].sum())} "
+                           f"launches in one step, about {secs:.0f} s at {ncu.SECONDS_PER_LAUNCH} s per launch",
+                           style="dim"))
+    with tempfile.TemporaryDirectory(prefix="kprof-ncu-") as d, stdout_to_stderr(json_out):
+        return ncu.cross_check(run, selected, ncu_path, d)
 
 
 # --------------------------------------------------------------------------------------------
@@ -223,6 +265,9 @@ def report_cmd(
     out: Annotated[Path, typer.Option("--out", help="Run store directory.")] = store.DEFAULT_ROOT,
     json_out: Annotated[bool, typer.Option("--json", help="Print the run as one JSON document.")] = False,
     memory: Annotated[bool, typer.Option("--memory", help="Show where the step's peak memory goes.")] = False,
+    kernels: Annotated[bool, typer.Option("--kernels", help="Show the top kernels (every kernel is its "
+                                          "own row) and, after `profile --ncu`, ncu's counters beside "
+                                          "kprof's class, instead of the per-op report.")] = False,
 ) -> None:
     """Show a saved run's report again."""
     from kprof.cli import render as report
@@ -235,10 +280,17 @@ def report_cmd(
             console.print(report.memory_section(r.summary, console.width))
         return
     compared = (Path(r.path) / store.COMPARE).is_file()  # one variant of `kprof apply --compare`
+    ncu_doc = store.read_json(r.path, store.NCU)
     if json_out:
         from kprof.patching.compare import load_compare
 
-        print_json(_run_doc(r.summary, Path(r.path)) | {"compare": load_compare(r.path) if compared else None})
+        print_json(_run_doc(r.summary, Path(r.path)) | {"compare": load_compare(r.path) if compared else None}
+                   | ({"ncu": ncu_doc} if kernels else {}))
+        return
+    if kernels:
+        console.print(report.kernels_table(r.summary, console.width))
+        if ncu_doc is not None:
+            console.print(report.ncu_table(ncu_doc, console.width))
         return
     report.render(r.summary, r.path, console)
     if compared:  # show the whole comparison

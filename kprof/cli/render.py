@@ -561,3 +561,82 @@ def memory_section(summary: dict, width: int = 80) -> RenderableType:
         parts += [Text(f"Allocated over the step ({fmt_bytes(lo)} to {fmt_bytes(hi)}; peak at "
                        f"{m.get('peak_ms') or 0:.1f} ms)"), Text(spark), Text(marks, style="dim")]
     return Group(*parts)
+# --------------------------------------------------------------------------------------------
+# `kprof report --kernels` and `kprof profile --ncu`
+
+
+def _class_label(cls: str, under: bool) -> Text:
+    # efficiency.label's wording, kept here so rendering imports nothing from analyze
+    return Text(f"{cls}, under-used" if under else cls, style=CLASS_STYLE.get(cls, ""))
+
+
+def _short_kernel(name: str, most: int = 60) -> str:
+    """A kernel name without "void " and cut after `most` characters: demangled names run to
+    hundreds of characters of template arguments; kernels.parquet keeps the whole name."""
+    s = re.sub(r"^void\s+", "", str(name))
+    return s if len(s) <= most else s[: most - 1] + "…"
+
+
+def kernels_table(summary: dict, width: int = 120) -> RenderableType:
+    """The top kernels (summary["top_kernels"]): one row per kernel and op, with the modules that
+    ran it, its time, % of roofline and class (with the under-used qualifier and its causes)."""
+    rows = summary.get("top_kernels")
+    if rows is None:
+        if _is_cpu(summary):
+            return Text("CPU run: no device kernels; the per-op table is the report's top ops.", style="yellow")
+        return Text("This run has no per-kernel table (profiled before kprof recorded one); "
+                    "profile the script again.", style="yellow")
+    if not rows:
+        return Text("No kernels in the recorded steps.", style="yellow")
+    cols = [Col("kernel", min_width=20), Col("op / modules", drop=1), Col("ms/step", justify="right", number=True),
+            Col("% step", justify="right", number=True, drop=2, unit="of step"),
+            Col("GB/s", justify="right", number=True, drop=3),
+            Col("% roof", justify="right", number=True, unit="of roofline"),
+            Col("class (causes)", min_width=13)]
+    cells = []
+    for r in rows:
+        cls = str(r.get("class", ""))
+        under = bool(r.get("under-used"))
+        label = _class_label(cls, under)
+        if r.get("causes"):
+            label.append(f" ({r['causes']})", style="yellow")
+        cells.append([Text(_short_kernel(r.get("kernel", ""), 36)),
+                      Text(f"{_op_label(r.get('op')).strip()} in {r.get('modules') or '?'}"),
+                      fmt_ms(r.get("time/step (ms)")), fmt_pct(r.get("% of step")), fmt_sig(r.get("GB/s")),
+                      fmt_pct(r.get("% of roofline")), label])
+    thr = summary.get("under_used_threshold") or {}
+    title = Text(f"Top {len(rows)} kernels by time (every kernel of kernels.parquet, one row per kernel and op)",
+                 style="italic")
+    note = Text(f"under-used: below {100 * float(thr.get('value', 0.5)):.0f}% of roofline on its bound"
+                + ("" if thr.get("fitted") else " (threshold not yet fitted on hardware counters)")
+                + "; FLOPs and bytes of an op split across its kernels by time", style="dim")
+    return Group(fit(cols, cells, width, title=title, head=(0,)), note)
+
+
+def ncu_table(doc: dict, width: int = 120) -> RenderableType:
+    """kprof's class beside Nsight Compute's counters (ncu.json), with the agreement."""
+    rows = doc.get("kernels") or []
+    cols = [Col("kernel", min_width=20), Col("us/step", justify="right", number=True, drop=3),
+            Col("kprof", min_width=13), Col("DRAM", justify="right", number=True),
+            Col("tensor", justify="right", number=True, drop=2), Col("FMA/ALU", justify="right", number=True, drop=2),
+            Col("occ.", justify="right", number=True, drop=4), Col("ncu", number=True), Col("agree", number=True)]
+    cells = []
+    for r in rows:
+        pipes = [v for v in (_num(r.get("FMA %")), _num(r.get("ALU %"))) if v is not None]
+        pipe = max(pipes) if pipes else None
+        agree = r.get("agree")
+        cells.append([Text(_short_kernel(r.get("kernel", ""), 36)), fmt_sig(r.get("time/step (us)")),
+                      _class_label(str(r.get("class", "")), bool(r.get("under-used"))),
+                      fmt_pct(r.get("DRAM %"), 0), fmt_pct(r.get("tensor %"), 0), fmt_pct(pipe, 0),
+                      fmt_pct(r.get("occupancy %"), 0), Text(str(r.get("ncu class") or "–")),
+                      Text("–" if agree is None else ("yes" if agree else "NO"),
+                           style="" if agree is None or agree else "bold red")])
+    a = doc.get("agreement") or {}
+    summary_line = Text(f"agreement: {a.get('agree', 0)} of {a.get('scored', 0)} scored kernels "
+                        f"({fmt_pct(a.get('by count (%)'))} by count, {fmt_pct(a.get('by time (%)'))} by time); "
+                        f"{a.get('not scored', 0)} not scored (communication, unknown cost, or no counters)")
+    rule = Text("ncu class: memory-bound if DRAM >= 50% and above the compute pipe; compute-bound if "
+                "the tensor pipe (FMA/ALU for non-tensor kernels) >= 50% and above DRAM; else neither, "
+                "which kprof's latency-bound and under-used mean", style="dim")
+    return Group(fit(cols, cells, width, title=Text("kprof's class vs Nsight Compute", style="italic")),
+                 summary_line, rule)

@@ -25,6 +25,7 @@ from kprof.rules.diagnoses import (
     manual_attention,
     matmul_shapes,
     memory,
+    strided_elementwise,
     unfused_optimizer,
 )
 from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, n_steps, step_ms
@@ -38,6 +39,7 @@ DIAGNOSES: list[Diagnosis] = [
     manual_attention.DIAGNOSIS,
     matmul_shapes.DIAGNOSIS,
     *memory.DIAGNOSES,
+    strided_elementwise.DIAGNOSIS,
 ]
 
 COLUMNS = ["id", "title", "where", "paths", "module_class", "source", "ms/step", "% of step", "class",
