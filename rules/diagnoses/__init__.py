@@ -24,6 +24,7 @@ from kprof.rules.diagnoses import (
     launch_bound,
     manual_attention,
     matmul_shapes,
+    moe,
     unfused_optimizer,
 )
 from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, n_steps, step_ms
@@ -36,6 +37,7 @@ DIAGNOSES: list[Diagnosis] = [
     launch_bound.DIAGNOSIS,
     manual_attention.DIAGNOSIS,
     matmul_shapes.DIAGNOSIS,
+    *moe.DIAGNOSES,
 ]
 
 COLUMNS = ["id", "title", "where", "paths", "module_class", "source", "ms/step", "% of step", "class",
