@@ -126,3 +126,15 @@ def test_routing_histogram_counts_topk_choices():
     assert recs[(2, 4)]["counts"] == [1, 2, 2, 1] and recs[(2, 4)]["module"] == "blk"
     assert recs[(1, 4)]["counts"] == [1, 1, 1, 0]
     assert recs[(2, 4)]["source"] == f"{__file__}:{test_routing_histogram_counts_topk_choices.__code__.co_firstlineno + 6}"
+
+
+@pytest.mark.gpu
+def test_gpu_loop_moe_syncs_are_real_and_the_loop_is_flagged(tmp_path):
+    from kprof.analyze.profile import profile_script
+
+    run = profile_script(str(SCRIPTS / "moe_loop.py"), ["--iters", "9", "--device", "cuda"], warmup=1, steps=2,
+                         out_root=tmp_path)
+    rows = _by_id(run)
+    assert set(MOE) <= set(rows)
+    assert all(s["real"] for s in run.summary["syncs"])
+    assert rows["moe_expert_loop"]["saving ms/step"] > 0
