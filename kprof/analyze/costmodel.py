@@ -772,6 +772,23 @@ def histc(c: Call) -> Cost | None:
     return Cost(3.0 * _numel(x.shape), tbytes(x) + obytes((bins,), x.dtype))
 
 
+def data_dependent(c: Call) -> Cost | None:
+    """nonzero/argwhere(self), masked_select(self, mask), bincount(self, weights, minlength): the
+    output's size depends on the values (and sizing it is a host sync on a GPU), so only what is
+    known is counted, a lower bound: read every input, one FLOP per element (a test, or a count's
+    add), and for bincount its `minlength` counts written (int64, or the weights' dtype)."""
+    ts = c.tensors
+    if not ts:
+        return None
+    b = sum(tbytes(t) for t in ts)
+    n = _numel(ts[0].shape)
+    if _base(c.op) == "bincount":
+        minlength = c.value("minlength", 2, 0)
+        w = c.tensor("weights", 1)
+        b += obytes((minlength if isinstance(minlength, int) else 0,), w.dtype if w is not None else "int64")
+    return Cost(float(n), b)
+
+
 def grouped_mm(c: Call) -> Cost | None:
     """_grouped_mm(mat_a, mat_b, offs, bias, out_dtype): G matmuls in one call (MoE experts).
     `offs` splits the 2-D operand's grouped dim, so every case is 2*M*N*K over the whole problem:
@@ -1036,6 +1053,8 @@ RULES["sort"] = sort  # msort/argsort are composites over it
 RULES["topk"] = topk
 RULES["histc"] = histc
 RULES["_grouped_mm"] = grouped_mm
+for _n in ("nonzero", "argwhere", "masked_select", "bincount"):
+    RULES[_n] = data_dependent
 for _n in ("nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward"):
     RULES[_n] = nll_loss
 for _n in ("cat", "stack", "_cat", "hstack", "vstack", "concat", "concatenate"):

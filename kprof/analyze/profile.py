@@ -327,6 +327,7 @@ def build_summary(raw, a: dict | None) -> dict[str, Any]:
         "communication": a.get("communication"),
         "syncs": list(raw.syncs),
         "sync_steps": getattr(raw, "sync_steps", 0),  # steps the sync detector watched
+        "routing": list(getattr(raw, "routing", None) or []),  # topk choices per module, shapes step
         "losses": list(raw.losses),
         "module_classes": dict(raw.module_classes),
         "wall_time_s": raw.wall_time_s,

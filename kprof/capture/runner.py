@@ -154,6 +154,8 @@ class RawRun:
     # ranges, the model's parameter/gradient/optimizer-state storages; None if not recorded.
     memory: dict | None = None
     memory_snapshot_path: str | None = None  # torch.cuda.memory._snapshot() pickled (CUDA runs)
+    # topk choices per module in the shapes step (SyncDetector.routing_summary): MoE routing
+    routing: list[dict] = field(default_factory=list)
 
 
 class _StopScript(BaseException):
@@ -707,6 +709,12 @@ class _Session:
             self._internal_error("forward hook", e)
         return None
 
+    def _module_path(self) -> str:
+        """The path of the innermost module running now (this thread), "" outside any."""
+        st = self._stack()
+        info = self.info.get(st[-1][0]) if st else None
+        return info.path if info is not None else ""
+
     def _close_range(self, handle: Any, pushed: bool) -> None:
         if handle is not None:
             torch.ops.profiler._record_function_exit._RecordFunction(handle)
@@ -1041,6 +1049,8 @@ class _Session:
         self.annotating = True
         self._close_all_ranges()
         self.shapes_handle = torch.ops.profiler._record_function_enter_new(SHAPES_STEP_RANGE, None)
+        if self.detector is not None:  # the routing histograms come from this step only
+            self.detector.where, self.detector.routing = self._module_path, True
 
     def _complete_shapes_step(self) -> None:
         """End the shapes step, merge it into the recorded steps' trace, stop the script."""
@@ -1060,6 +1070,7 @@ class _Session:
         d = self.detector
         if d is not None:
             d.uninstall()
+            d.routing = False
             # Both sets: whether the script used the GPU (not whether there is one) is decided from
             # the trace by the analysis; a CPU script on a GPU machine gets the would-be syncs.
             self.syncs = d.summary(cuda_used=self.cuda_run)
@@ -1383,7 +1394,18 @@ class _Session:
             sync_steps=self.sync_steps,
             memory=self.memory,
             memory_snapshot_path=self.memory_snapshot_path,
+            routing=self._routing(),
         )
+
+    def _routing(self) -> list[dict]:
+        d = self.stopped_detector or self.detector
+        if d is None:
+            return []
+        try:
+            return d.routing_summary()
+        except Exception as e:  # the run is still good without the routing histograms
+            self.warnings.append(f"could not count the topk routing choices: {e!r}")
+            return []
 
 
 def _dynamo_count() -> int | None:

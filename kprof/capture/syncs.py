@@ -16,6 +16,12 @@ On a CPU-only run nothing really syncs, but the same calls would on a GPU; they 
 with `would_sync_on_gpu: True`, so a planted `.item()` shows up in CI and in the CPU demo.
 On a CUDA run only calls on CUDA tensors are counted (`.item()` of a CPU tensor is free).
 
+Routing (MoE): while `routing` is on (the runner sets it for the shapes step only), every
+`topk` call also leaves a reference to its indices under the current module path (`where`). No
+op runs then: the per-choice counts are taken by `routing_summary()` after the profiler stopped,
+so the recorded op sequence is the script's own. That is the tokens-per-expert histogram the MoE
+load-imbalance diagnosis reads, for any router that picks its experts with `topk`.
+
 Not seen: syncs inside compiled regions (Dynamo graph-breaks on them; the broken-out part runs
 eagerly and is seen), `torch.cuda.Stream.synchronize`/`Event.synchronize`, and syncs in
 C++-only paths (e.g. `torch.linalg` error checks).
@@ -174,6 +180,17 @@ _CHECKS: dict[Any, _Check] = {
 del T
 
 
+_TOPK = frozenset({torch.topk, torch.Tensor.topk})
+MAX_ROUTING_CHOICES = 1 << 16
+
+
+def _is_topk(func: Any) -> bool:
+    try:
+        return func in _TOPK
+    except TypeError:  # an unhashable callable: not topk
+        return False
+
+
 # torch files that only forward a call to __torch_function__ (Tensor.__repr__, torch.unique, ...):
 # frames in them are skipped when asking who made the call.
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -244,6 +261,9 @@ class SyncDetector(TorchFunctionMode):
         self._is_own: dict[str, bool] = {}
         self._installed = False
         self._orig_cuda_sync: Callable | None = None
+        self.routing = False  # record topk indices (the shapes step)
+        self.where: Callable[[], str] | None = None  # the current module path, from the runner
+        self._topk: list[tuple] = []  # (module, k, choices, dim, indices, file:line) per topk call
 
     # -- the mode ----------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -275,7 +295,51 @@ class SyncDetector(TorchFunctionMode):
                         # host-side tensors on purpose (AdamW's `step` counter is a CPU tensor
                         # even for CUDA params), which would be false alarms here.
                         self._record(kind, real=False)
+        if self.routing and _is_topk(func):
+            out = func(*args, **kwargs)
+            try:
+                self._keep_topk(args, kwargs, out)
+            except Exception:  # recording must never change the script's behaviour
+                pass
+            return out
         return func(*args, **kwargs)
+
+    def _keep_topk(self, args: tuple, kwargs: dict, out: Any) -> None:
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        k = kwargs.get("k", args[1] if len(args) > 1 else None)
+        dim = kwargs.get("dim", args[2] if len(args) > 2 else -1)
+        idx = getattr(out, "indices", None)
+        if x is None or not isinstance(k, int) or not isinstance(idx, torch.Tensor) or x.dim() == 0:
+            return
+        choices = x.shape[dim]
+        # A router chooses k of n experts, k < n; 2**16 bounds the histogram (DeepSeek-V3: 256).
+        if 0 < k < choices <= MAX_ROUTING_CHOICES:
+            where = self.where() if self.where is not None else ""
+            self._topk.append((where, k, int(choices), int(dim) % x.dim(), idx, self._caller()))
+
+    def _caller(self) -> str:
+        """file:line of the innermost frame outside torch and kprof: the line that called topk
+        (in the script, or in a library such as transformers)."""
+        frame = sys._getframe(2)
+        while frame is not None and self._torch_or_kprof(frame.f_code.co_filename):
+            frame = frame.f_back
+        out = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else ""
+        del frame
+        return out
+
+    def routing_summary(self) -> list[dict]:
+        """Per (module, k, choices): how many times each choice was picked by the topk calls of
+        the routing steps, summed over calls; one record each, in call order. Call it after
+        the profiler stopped (it runs bincount, a sync on a GPU)."""
+        acc: dict[tuple[str, int, int], dict] = {}
+        for where, k, n, dim, idx, site in self._topk:
+            rec = acc.setdefault((where, k, n), {"module": where, "k": k, "choices": n, "calls": 0, "source": site,
+                                                  "counts": torch.zeros(n, dtype=torch.int64)})
+            flat = idx.detach().movedim(dim, -1).reshape(-1).to("cpu", torch.int64)
+            rec["counts"] += torch.bincount(flat.clamp(0, n - 1), minlength=n)[:n]
+            rec["calls"] += 1
+        self._topk.clear()
+        return [{**r, "counts": r["counts"].tolist()} for r in acc.values()]
 
     # -- install / uninstall -----------------------------------------------------------------
     def install(self) -> None:

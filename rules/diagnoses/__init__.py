@@ -26,6 +26,7 @@ from kprof.rules.diagnoses import (
     matmul_shapes,
     memory,
     strided_elementwise,
+    moe,
     unfused_optimizer,
 )
 from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, n_steps, step_ms
@@ -40,6 +41,7 @@ DIAGNOSES: list[Diagnosis] = [
     matmul_shapes.DIAGNOSIS,
     *memory.DIAGNOSES,
     strided_elementwise.DIAGNOSIS,
+    *moe.DIAGNOSES,
 ]
 
 COLUMNS = ["id", "title", "where", "paths", "module_class", "source", "ms/step", "% of step", "class",

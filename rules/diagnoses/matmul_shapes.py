@@ -42,6 +42,7 @@ import pandas as pd
 
 from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, n_steps, parse_script, step_ms
 from kprof.rules.diagnoses.manual_attention import arg_shapes, base_name, mm_dims
+from kprof.rules.diagnoses.moe import static_dims
 
 MIN_ALIGN_BYTES = 16  # tensor-core minimum (8 bf16/fp16 elements), NVIDIA's guide above
 IDEAL_ALIGN_BYTES = 128  # A100 and later (64 bf16/fp16 elements)
@@ -182,6 +183,13 @@ def find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
     if not len(m):
         return []
     odd = [odd_dims((r.M, r.K, r.N), r.need, r.ideal) for r in m.itertuples()]
+    # Tokens per expert in an MoE block are set by the router, not by a line to pad: only the
+    # experts' weight dims are advised on there (issue 21: "pad 99 -> 104" on a token count).
+    static = static_dims(ops, summary)
+    for i, mod in enumerate(m["module"].astype(str)):
+        for root, dims in static.items():
+            if mod == root or mod.startswith(root + "."):
+                odd[i] = {v: how for v, how in odd[i].items() if v in dims}
     well = np.array([r.M % r.ideal == 0 and r.K % r.ideal == 0 and r.N % r.ideal == 0 for r in m.itertuples()])
     gpu = is_gpu_run(summary)
     n = n_steps(ops, summary)

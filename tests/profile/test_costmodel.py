@@ -442,6 +442,20 @@ def test_sort_topk_histc_hand_counts():
     assert c == (90, 30 * F4 + 4 * F4)
 
 
+def test_data_dependent_ops_lower_bound_hand_counts():
+    """Output sizes set by the values: read the inputs, one FLOP per element; bincount also
+    writes its minlength counts."""
+    c = cost("aten::nonzero", [[64, 2]], ["bool"])
+    assert c == (128, 128 * 1)
+    # masked_select(x [6, 5] fp32, mask [6, 5] bool)
+    c = cost("aten::masked_select", [[6, 5], [6, 5]], ["float32", "bool"])
+    assert c == (30, 30 * F4 + 30 * 1)
+    # bincount(ids [12] int64, weights None, minlength 8): 8 int64 counts
+    c = cost("aten::bincount", [[12], [], []], ["int64", "", "Scalar"], concrete=["", "", "8"],
+             types=["long int", "", "Scalar"])
+    assert c == (12, 12 * I8 + 8 * I8)
+
+
 def test_grouped_mm_hand_counts():
     """_grouped_mm over 2 groups (MoE experts): 2*M*N*K over the whole problem."""
     t = ["c10::BFloat16", "c10::BFloat16", "int", "", ""]
