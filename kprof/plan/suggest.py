@@ -299,9 +299,10 @@ def parse_ids(spec: str, plan: dict) -> list[str]:
 def plan_for(before, rules_dir: str | None = None) -> dict:
     """The run's plan.json, computed and saved now (as `kprof suggest` would) if missing."""
     from kprof.rules import all_rules
+    from kprof.rules.diagnoses import diagnose
 
     try:
         return load_plan(before)
     except KprofError:
-        save_plan(before, suggest(before, all_rules(rules_dir)))
+        save_plan(before, suggest(before, all_rules(rules_dir)), diagnose(before))
         return load_plan(before)
