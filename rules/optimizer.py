@@ -129,23 +129,48 @@ class OptimizerPatch:
     mode: str
     reason: str
     saved: list = field(default_factory=list)
+    rule: str = "fused_optimizer"  # the id its record and switch go by
+    enabled: bool = True
 
-    def unpatch(self) -> None:
+    def _restore(self) -> None:
         for g, flags in self.saved:
             g.update(flags)
+        # The unfused, non-capturable step keeps its counters on the CPU (as its constructor makes
+        # them); the fused one moved them to the parameter's device.
+        for g in self.optimizer.param_groups:
+            if g.get("capturable") or g.get("fused"):
+                continue
+            for p in g["params"]:
+                st = self.optimizer.state.get(p) or {}
+                if isinstance(st.get("step"), torch.Tensor) and st["step"].device.type != "cpu":
+                    st["step"] = st["step"].to("cpu")
+
+    def set_enabled(self, on: bool) -> None:
+        """Switch between the patched step and the optimizer's own flags (state kept), as
+        kprof apply's ablation does between steps."""
+        if on == self.enabled or not self.mode or not self.saved:
+            return
+        if on:
+            _set_mode(self.optimizer, self.mode)
+        else:
+            self._restore()
+        self.enabled = on
+
+    def unpatch(self) -> None:
+        self._restore()
         self.saved.clear()
 
 
-def install(opt: torch.optim.Optimizer) -> OptimizerPatch:
+def install(opt: torch.optim.Optimizer, rule: str = "fused_optimizer") -> OptimizerPatch:
     """Switch `opt` to its fused (else foreach) step once `prove` agrees; KprofError if it doesn't."""
     if not isinstance(opt, torch.optim.Optimizer):
         raise KprofError(f"optimizer must be a torch.optim.Optimizer, got {type(opt).__name__}")
     pl = plan(opt)
     if not pl.mode:
-        return OptimizerPatch(opt, "", pl.reason)
+        return OptimizerPatch(opt, "", pl.reason, rule=rule)
     why = prove(opt, pl.mode)
     if why:
         raise KprofError(f"{type(opt).__name__} -> {pl.mode}: {why}; the optimizer was left as it was")
     saved = [(g, {"fused": g.get("fused"), "foreach": g.get("foreach")}) for g in [*opt.param_groups, opt.defaults]]
     _set_mode(opt, pl.mode)
-    return OptimizerPatch(opt, pl.mode, pl.reason, saved)
+    return OptimizerPatch(opt, pl.mode, pl.reason, saved, rule=rule)

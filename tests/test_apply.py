@@ -272,3 +272,111 @@ def test_apply_reverts_a_wrong_patch_and_strict_fails(tmp_path):
     assert why["id"] == "bad_ln" and why["why"].startswith("failed verification: FAILED")
     with pytest.raises(KprofError, match=r"--strict: bad_ln at 1 failed verification: FAILED .*rel-norm error"):
         apply(str(ln), patch="bad_ln", rules_dir=str(rules), out_root=root, strict=True)
+
+
+def test_apply_switches_the_scripts_optimizer_and_ablates_it(tmp_path):
+    """`kprof apply --patch unfused_optimizer` on a for-loop AdamW (tests/diagnoses_scripts):
+    the live optimizer is switched at its first step after one step on copies agreed, timed on
+    and off like a patch group, and the decision is read from --json."""
+    import shutil
+
+    scripts = ROOT / "tests" / "diagnoses_scripts"
+    for name in ("adamw_loop.py", "tiny.py"):
+        shutil.copy(scripts / name, tmp_path / name)
+    script, root = tmp_path / "adamw_loop.py", tmp_path / "runs"
+    args = ["--", "--iters", "60"]
+    profile_script(str(script), ["--iters", "20"], warmup=1, steps=2, out_root=root)
+    res = CliRunner().invoke(_app(), ["apply", str(script), "--patch", "unfused_optimizer", "--out", str(root),
+                                      "--steps", "14", "--json", *args])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    doc = json.loads(res.stdout[res.stdout.index("{"):])
+    (rec,) = doc["records"]["ablation"]
+    assert (rec["rule"], rec["path"], rec["status"]) == ("unfused_optimizer", "<optimizer>", "verified")
+    assert doc["ablation"]["groups"] == [["unfused_optimizer"]]
+    (p,) = doc["patches"]
+    assert p["verified"] is True and p["n"] == 6 and p["verdict"] in ("kept", "dropped", "undecided")
+    assert p["kept"] == (p["verdict"] == "kept") and doc["kept"] == (["unfused_optimizer"] if p["kept"] else [])
+    # the after run switches the optimizer only when the ablation kept it
+    assert [r["rule"] for r in doc["records"]["after"]] == doc["kept"] and doc["not_installed"] == []
+
+
+def test_optimizer_patch_switches_off_and_on_with_its_state():
+    from kprof.patching.install import patch_optimizer
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False)
+    m(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    rep = patch_optimizer(opt)
+    assert [(r.rule, r.status) for r in rep.records] == [("unfused_optimizer", "verified")]
+    assert rep.toggle_sets() == [("unfused_optimizer",)]
+    assert all(g["fused"] for g in opt.param_groups)
+    rep.enable_only([])  # the ablation's "off": the optimizer's own flags, its state kept
+    assert not any(g["fused"] for g in opt.param_groups) and opt.param_groups[0]["foreach"] is False
+    steps = [opt.state[p]["step"] for p in m.parameters()]
+    assert all(s.device.type == "cpu" and float(s) == 1.0 for s in steps)
+    opt.step()
+    rep.enable_only(["unfused_optimizer"])
+    assert all(g["fused"] for g in opt.param_groups)
+    opt.step()
+    assert all(float(opt.state[p]["step"]) == 3.0 for p in m.parameters())
+    rep.unpatch()
+    assert not any(g["fused"] for g in opt.param_groups)
+
+
+_DROPOUT_ATTN = """
+import math, torch
+import torch.nn.functional as F
+from torch import nn
+
+torch.manual_seed(0)
+T, C = 8, 16
+
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(C, 3 * C)
+        self.proj = nn.Linear(C, C)
+        self.drop = nn.Dropout(0.1)
+        self.register_buffer("bias", torch.tril(torch.ones(T, T)).view(1, 1, T, T))
+
+    def forward(self, x):
+        B = x.shape[0]
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (z.view(B, T, 2, C // 2).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(C // 2))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        att = self.drop(att)
+        y = att @ v
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+model = Attn()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+for _ in range(40):
+    loss = model(torch.randn(2, T, C)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_declined_match_names_the_reason_and_the_diff(tmp_path, wide):
+    """An attention with training dropout: the profile plans SDPA, the live trace declines it
+    (SDPA's dropout mask differs, so the first-call check could not prove it). apply says that,
+    not "not confirmed", and points at suggest's exact change."""
+    from kprof.rules.diagnoses import diagnose
+
+    script, root = _script(tmp_path, "attn.py", _DROPOUT_ATTN), tmp_path / "runs"
+    run = profile_script(str(script), [], warmup=1, steps=2, out_root=root)
+    save_plan(run, suggest(run), diagnose(run))
+    plan = json.loads((run.path / "plan.json").read_text())
+    (sugg,) = [s for s in plan["suggestions"] if s["id"] == "attention_sdpa"]
+    assert sugg["applyable"] and sugg["diff"]["unified_diff"]
+    res = CliRunner().invoke(_app(), ["apply", str(script), "--patch", "attention_sdpa", "--out", str(root)])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    out = " ".join(res.output.split())
+    assert "not confirmed" not in out and "not found on the live model" not in out
+    assert "attention_sdpa: not installed" in out and "declined at <model>:" in out and "dropout" in out
+    assert f"the exact source change instead: {sugg['diff']['command']}" in out

@@ -47,6 +47,7 @@ def profile_script(
     on_root_module: Callable | None = None,
     shapes_every_step: bool = False,
     nproc_per_node: int | None = None,
+    on_optimizer: Callable | None = None,
 ) -> Run:
     """Profile `script` and save the run under `out_root`; returns the saved Run.
 
@@ -75,7 +76,8 @@ def profile_script(
 
     with tempfile.TemporaryDirectory(prefix="kprof-trace-") as trace_dir:
         cfg = RunConfig(warmup=warmup, steps=steps, run_to_end=run_to_end, step_mode=step_mode,
-                        trace_dir=trace_dir, on_root_module=on_root_module, shapes_every_step=shapes_every_step)
+                        trace_dir=trace_dir, on_root_module=on_root_module, shapes_every_step=shapes_every_step,
+                        on_optimizer=on_optimizer)
         # Raises KprofError (exit code 2) for a missing script or bad --steps/--warmup/--step.
         raw = run_script(script, list(argv or []), cfg, progress=progress)
 

@@ -113,6 +113,10 @@ class RunConfig:
     shapes_every_step: bool = False
     # Called once per root module at its first call, before its forward (kprof apply patches here).
     on_root_module: Callable[[nn.Module], None] | None = None
+    # Called once per optimizer at its first step(), before the update: the object is fully built
+    # (a subclass's __init__ has finished) and holds the first real gradients (kprof apply
+    # switches a live optimizer to its fused step here).
+    on_optimizer: Callable[[Any], None] | None = None
     trace_dir: str | None = None
     # Called at each timed step's start with its index i (0..steps-1) and with i == steps when the
     # timed steps end, after the step's time mark (kprof apply's ablation switches patches here).
@@ -405,6 +409,7 @@ class _Session:
         self.primary_opt: Any = None  # weakref to the optimizer whose steps are the boundaries
         self.primary_opt_cls = ""
         self.optimizers: weakref.WeakSet = weakref.WeakSet()
+        self.in_opt_hook = False  # inside cfg.on_optimizer: its optimizers' steps are no boundaries
         self.root_calls = 0  # outermost calls of the primary module (main thread) so far
 
         # schedule (reset when the step definition changes)
@@ -545,6 +550,27 @@ class _Session:
 
         torch.optim.Optimizer.__init__ = init  # type: ignore[method-assign]
         self._undo.append(lambda: setattr(torch.optim.Optimizer, "__init__", orig_init))
+
+        if self.cfg.on_optimizer is not None:
+            stepped: weakref.WeakSet = weakref.WeakSet()
+
+            def first_step(opt, args, kwargs):
+                if torch.compiler.is_compiling() or opt in stepped:
+                    return None
+                stepped.add(opt)
+                if session.in_opt_hook:
+                    return None  # a copy the hook steps to prove its change: not the script's
+                session.in_opt_hook = True
+                try:
+                    session.cfg.on_optimizer(opt)
+                except Exception as e:
+                    raise _AbortRun(e) from e
+                finally:
+                    session.in_opt_hook = False
+                return None
+
+            h = optim_module.register_optimizer_step_pre_hook(first_step)
+            self._undo.append(h.remove)
 
         # Losses: whatever each step calls .backward() on (Tensor.backward calls this too).
         orig_backward = torch.autograd.backward
@@ -731,7 +757,7 @@ class _Session:
                     pass
 
     def _opt_post_hook(self, opt: Any, args: tuple, kwargs: dict) -> None:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or self.in_opt_hook:
             return None
         if self.done:
             if self.primary_opt is not None and self.primary_opt() is opt:

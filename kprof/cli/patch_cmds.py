@@ -45,7 +45,26 @@ def _plan_cells(r: dict) -> list:
     saving += f"\n{note}" if note else ""
     # Data cells as Text: code in evidence and how (`x[i]`) must not read as rich markup.
     return [str(r["rank"]), Text(r["id"]), Text(where), Text(evidence), Text(str(r["change"])), Text(saving),
-            Text(str(r["confidence"])), Text(str(r["how"]))]
+            Text(str(r["confidence"])), Text(str(r["how"]) + diff_lines(r.get("diff"), bool(r.get("applyable"))))]
+
+
+DIFF_LINES = 4  # changed lines shown in the plan; the whole diff is in the run's diffs/ folder
+
+
+def diff_lines(d, applyable: bool = False) -> str:
+    """The plan cell's view of a diff record: where the patch file is and its first changed
+    lines, or why there is no exact change (not for what `kprof apply` installs: its `how` says
+    so already)."""
+    if not isinstance(d, dict):
+        return ""
+    if not d.get("unified_diff"):
+        return f"\nno exact diff: {d['reason']}" if d.get("reason") and not applyable else ""
+    changed = [ln for ln in d["unified_diff"].splitlines()
+               if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
+    shown = "\n".join(changed[:DIFF_LINES])
+    more = f"\n(+{len(changed) - DIFF_LINES} more lines)" if len(changed) > DIFF_LINES else ""
+    cmd = d.get("command") or f"patch -p0 < {d.get('patch_file') or '?'}"
+    return f"\ndiff at {d['file']}:{d['line']}: {cmd}\n{shown}{more}"
 
 
 PLAN_COLUMNS = [Col("#", justify="right", number=True), Col("id", number=True), Col("where"), Col("evidence"),

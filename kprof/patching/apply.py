@@ -32,7 +32,7 @@ from kprof import store
 from kprof.analyze.profile import load_run, profile_script
 from kprof.errors import KprofError
 from kprof.patching import ablation as ab
-from kprof.patching.install import check_rules
+from kprof.patching.install import OPTIMIZER_ID, check_rules, patch_optimizer
 from kprof.patching.install import patch as kpatch
 from kprof.plan.suggest import parse_ids, plan_for
 
@@ -169,12 +169,17 @@ def compare_losses(before, after, reports, n: int = 5) -> tuple[pd.DataFrame, bo
 def write_lines(ids: Sequence[str], strict: bool) -> str:
     today = _dt.date.today().isoformat()
     opts = ", strict=True" if strict else ""
-    return (
+    rules = [i for i in ids if i != OPTIMIZER_ID]
+    opt = ", optimizer=optimizer" if OPTIMIZER_ID in ids else ""
+    lines = (
         f"# Keep kprof's patches (verified by `kprof apply` on {today}). Add after the model is built\n"
         f"# and moved to its device, before the optimizer's first step; `model` is your nn.Module.\n"
-        f"import kprof\n"
-        f"kprof_report = kprof.patch(model, rules={list(ids)!r}{opts})  # kprof_report.unpatch() undoes it\n"
     )
+    if opt:
+        lines += ("# `optimizer` is your torch.optim object (switched to its fused step); or build it with\n"
+                  "# fused=True: the unfused_optimizer diff in the plan's run folder (diffs/) does that.\n")
+    return lines + (f"import kprof\n"
+                    f"kprof_report = kprof.patch(model, rules={rules!r}{opt}{opts})  # kprof_report.unpatch() undoes it\n")
 
 
 def _dynamo_graphs() -> int:
@@ -198,6 +203,8 @@ class _Ablation:
     def __init__(self, ids: Sequence[str], *, strict: bool, rules_dir: str | None, budget: int | None,
                  seed: int):
         self.ids, self.strict, self.rules_dir, self.budget, self.seed = list(ids), strict, rules_dir, budget, seed
+        self.rule_ids = [i for i in self.ids if i != OPTIMIZER_ID]  # OPTIMIZER_ID: on_optimizer's
+        self.roots = 0
         self.reports: list = []
         self.groups: list[tuple[str, ...]] = []
         self.plan: list[ab.Config] = []
@@ -210,7 +217,12 @@ class _Ablation:
         self.max_steps = budget if budget is not None else ab.steps_needed(len(self.ids))
 
     def on_root(self, model) -> None:
-        self.reports.append(kpatch(model, rules=self.ids, strict=self.strict, rules_dir=self.rules_dir))
+        self.roots += 1
+        self.reports.append(kpatch(model, rules=self.rule_ids, strict=self.strict, rules_dir=self.rules_dir))
+
+    def on_optimizer(self, opt) -> None:
+        """At an optimizer's first step: its fused step, proven on one step's copies."""
+        self.reports.append(patch_optimizer(opt, strict=self.strict, rule=OPTIMIZER_ID))
 
     def _records(self):
         return [r for rep in self.reports for r in rep.records]
@@ -315,15 +327,47 @@ def recommend(res: ApplyResult, plan: dict, script: str, root) -> str:
             f"{compile_txt}{code}")
 
 
-def _not_installed(ids: Sequence[str], reports: Sequence) -> list[dict]:
+def planned(plan: dict, ids: Sequence[str]) -> list[dict]:
+    """The plan's entries for `ids`: kernel suggestions, then the diagnoses apply installs."""
+    return [s for s in (plan.get("suggestions") or []) + [d for d in plan.get("diagnoses") or [] if d.get("applyable")]
+            if s["id"] in ids]
+
+
+def why_not_installed(entry: dict, reports: Sequence) -> str:
+    """Why a planned patch has no record on the live model: the live check's own reason (a traced
+    candidate's declined note names the structural difference; a skipped rule says why), else
+    what was checked where, then the exact source change when the plan has one."""
+    i = entry["id"]
+    declined = [r for rep in reports for r in rep.declined
+                if r.rule == i or i in (r.params or {}).get("candidate_for", [])]
+    skipped = [why for rep in reports for rid, why in rep.skipped if rid == i]
+    if declined:
+        why = "; ".join(dict.fromkeys(f"declined at {r.path or '<model>'}: {r.note}" for r in declined))
+    elif skipped:
+        why = skipped[0]
+    elif i == OPTIMIZER_ID:
+        why = "no torch.optim optimizer took a step before the timed steps, so none was switched"
+    else:
+        paths = entry.get("paths") or []
+        where = ", ".join(paths[:3]) + (f" (+{len(paths) - 3} more)" if len(paths) > 3 else "") if paths else "<model>"
+        cls = entry.get("module_class") or "?"
+        why = (f"the profile matched {i} on op names at {where} ({cls}), but on the live model no module there passed "
+               f"its structural check and probe (rules/engine.py find_matches): its children or parameters are not "
+               f"the pattern's, or its output differs from the kernel's on a small input")
+    d = entry.get("diff") or {}
+    if d.get("unified_diff"):
+        why += f"; the exact source change instead: {d.get('command') or d.get('patch_file') or d.get('file')}"
+    return why
+
+
+def _not_installed(ids: Sequence[str], reports: Sequence, plan: dict | None = None) -> list[dict]:
     recs = [r for rep in reports for r in rep.records]
     out = []
     matched = {r.rule for r in recs}
+    entries = {s["id"]: s for s in planned(plan or {}, ids)}
     for i in ids:
         if i not in matched:
-            skipped = [why for rep in reports for rid, why in rep.skipped if rid == i]
-            out.append({"id": i, "why": skipped[0] if skipped else
-                        "planned from the profile but not found on the live model (structure or probe did not match)"})
+            out.append({"id": i, "why": why_not_installed(entries.get(i, {"id": i}), reports)})
     by_rule: dict[str, list] = {}
     for r in recs:
         by_rule.setdefault(r.rule, []).append(r)
@@ -341,9 +385,7 @@ def suggestions_frame(plan: dict, ids: Sequence[str], reports: Sequence, abl: "a
     """One row per planned rule: predicted vs measured saving, the ablation's verdict and why."""
     recs = [r for rep in reports for r in rep.records]
     rows = []
-    for s in plan.get("suggestions") or []:
-        if s["id"] not in ids:
-            continue
+    for s in planned(plan, ids):
         mine = [r for r in recs if r.rule == s["id"]]
         d = abl.decision(s["id"]) if abl is not None else None
         ok = sum(r.status in ("verified", "installed") for r in mine)
@@ -354,7 +396,7 @@ def suggestions_frame(plan: dict, ids: Sequence[str], reports: Sequence, abl: "a
         elif declined:
             verdict, reason = "not measured", declined
         elif not mine:
-            verdict, reason = "not installed", "not found on the live model"
+            verdict, reason = "not installed", why_not_installed(s, reports)
         elif not ok:
             verdict, reason = "not installed", ("failed verification" if any(r.status == "reverted" for r in mine)
                                                else "never called before the timed steps")
@@ -435,8 +477,9 @@ def apply(
     # verified, and the kernels compiled, before the first timed step.
     ab_warmup = max(warmup, ABLATION_WARMUP)
     try:
-        raw = run_script(script, list(argv), RunConfig(warmup=ab_warmup, steps=abl.max_steps, on_root_module=abl.on_root,
-                                                       on_step=abl.on_step), progress=progress)
+        raw = run_script(script, list(argv), RunConfig(
+            warmup=ab_warmup, steps=abl.max_steps, on_root_module=abl.on_root, on_step=abl.on_step,
+            on_optimizer=abl.on_optimizer if OPTIMIZER_ID in ids else None), progress=progress)
     finally:
         for rep in abl.reports:  # RoPE patches a shared module namespace: leave the process as we found it
             rep.unpatch()
@@ -448,7 +491,7 @@ def apply(
                          exit_code=raw.exit_code or 1)
     if raw.status == "interrupted":
         raise KprofError("interrupted during kprof apply's ablation run; nothing was saved", exit_code=130)
-    if not abl.reports:
+    if not abl.roots:
         raise KprofError(f"{script} never called an nn.Module, so there was nothing to patch")
     notes: list[str] = []
     result_ablation = None
@@ -478,12 +521,18 @@ def apply(
     # 2. The kept set alone, profiled like the plan's run: after_ms and the loss watch.
     reports = []
 
+    kept_rules = [i for i in kept if i != OPTIMIZER_ID]
+
     def on_root(model) -> None:
-        reports.append(kpatch(model, rules=kept, strict=strict, rules_dir=rules_dir))
+        reports.append(kpatch(model, rules=kept_rules, strict=strict, rules_dir=rules_dir))
+
+    def on_optimizer(opt) -> None:
+        reports.append(patch_optimizer(opt, strict=strict, rule=OPTIMIZER_ID))
 
     try:
         after = profile_script(script, list(argv), warmup=warmup, steps=int(before.summary.get("steps") or 5),
-                               out_root=root, progress=progress, on_root_module=on_root if kept else None)
+                               out_root=root, progress=progress, on_root_module=on_root if kept_rules else None,
+                               on_optimizer=on_optimizer if OPTIMIZER_ID in kept else None)
     except KprofError:
         err = strict_failure(reports)  # the gate raised inside the script: say so without its traceback
         if err is not None:
@@ -511,7 +560,7 @@ def apply(
                       suggestions_frame(plan, ids, abl.reports, result_ablation, kept, abl.declined),
                       losses, agree, tol, write_lines(kept, strict) if kept else "", notes,
                       ablation=result_ablation, declined=abl.declined, ablation_reports=abl.reports, kept=kept,
-                      not_installed=_not_installed(ids, abl.reports), prefer=prefer)
+                      not_installed=_not_installed(ids, abl.reports, plan), prefer=prefer)
     b, a = res.before_ms, res.after_ms
     p90 = ((before.summary.get("step_time_ms") or {}).get("p90"))
     if kept and p90 is not None and a == a and a > p90:

@@ -216,6 +216,13 @@ def _ids_for(before, patch: str, rules_dir: str | None) -> tuple[list[str], str 
         if patch.strip() != "all":
             raise
         return [], f"nothing to patch: {e} (the kprof variants would be eager)"
+    # The variants patch the model at its root; the optimizer switch is plain `kprof apply`'s.
+    from kprof.patching.install import OPTIMIZER_ID
+
+    ids = [i for i in ids if i != OPTIMIZER_ID]
+    if not ids:
+        return [], (f"nothing to patch: {OPTIMIZER_ID} is switched on the live optimizer by plain `kprof apply`, "
+                    "not in --compare's variants")
     return ids, None
 
 

@@ -33,6 +33,9 @@ from kprof.errors import KprofError
 from kprof.patching.verify import Verification, verify_call
 
 _MISSING = object()
+# The plan's id for switching a live optimizer to its fused step (the unfused_optimizer diagnosis);
+# `kprof.patch(model, optimizer=...)` records it as "fused_optimizer".
+OPTIMIZER_ID = "unfused_optimizer"
 
 
 @dataclass
@@ -238,12 +241,14 @@ class PatchReport:
         keep = set(rules)
         for u in self._units:
             u.set_enabled(u.record.rule in keep)
+        for o in self._optimizers:
+            o.set_enabled(o.rule in keep)
 
     def toggle_sets(self) -> list[tuple[str, ...]]:
         """The rule ids that `enable_only` switches together, one tuple per installed unit whose
         patch can be switched (verified or installed): a traced rewrite carries several rules."""
         return [tuple(dict.fromkeys([u.record.rule] + [s.rule for s in u.siblings])) for u in self._units
-                if u.record.status in ("verified", "installed")]
+                if u.record.status in ("verified", "installed")] + [(o.rule,) for o in self._optimizers if o.mode]
 
     def decline(self, rec: PatchRecord) -> None:
         if rec in self.records:
@@ -385,12 +390,20 @@ def patch(
     return report
 
 
-def _patch_optimizer(report: PatchReport, opt, strict: bool) -> None:
+def patch_optimizer(opt, *, strict: bool = False, rule: str = OPTIMIZER_ID) -> PatchReport:
+    """A report holding only the switch of `opt` to its fused (else foreach) step, proven on one
+    step (kprof/rules/optimizer.py); recorded as `rule` at "<optimizer>"."""
+    report = PatchReport()
+    _patch_optimizer(report, opt, strict, rule)
+    return report
+
+
+def _patch_optimizer(report: PatchReport, opt, strict: bool, rule: str = "fused_optimizer") -> None:
     from kprof.rules import optimizer as optim_rule
 
-    rec = PatchRecord("fused_optimizer", "<optimizer>", type(opt).__module__ + "." + type(opt).__name__, {})
+    rec = PatchRecord(rule, "<optimizer>", type(opt).__module__ + "." + type(opt).__name__, {}, module=False)
     try:
-        done = optim_rule.install(opt)
+        done = optim_rule.install(opt, rule)
     except KprofError as e:
         if strict:
             raise
@@ -414,6 +427,6 @@ def ids_of(records: Iterable[PatchRecord]) -> list[str]:
 def check_rules(ids: Sequence[str], rules_dir: str | None) -> None:
     """The plan's rule ids exist here (a plan made with --rules DIR needs the same DIR)."""
     try:
-        resolve_rules(list(ids), rules_dir)
+        resolve_rules([i for i in ids if i != OPTIMIZER_ID], rules_dir)
     except KprofError as e:
         raise KprofError(f"{e}; if the plan was made with --rules DIR, pass the same --rules DIR to apply") from None

@@ -78,6 +78,24 @@ def _source(summary: dict, paths: Sequence[str], classes: Sequence[str], hint: s
     return ""
 
 
+def rule_diff(rule, source: str) -> dict:
+    """The exact source change of a kernel suggestion (kprof.rules.edits), or why there is none.
+    SDPA is PyTorch's own: the hand-written chain can be replaced in the file, which is also the
+    way out when `kprof apply` declines the live match. A kprof kernel has no source form."""
+    from kprof.rules import edits
+
+    if rule.id.startswith("attention"):
+        path, _, line = (source or "").rpartition(":")
+        if path and line.isdigit():
+            return edits.sdpa(path, int(line))
+        return edits.no_diff("the attention's source line is not known (its module is not defined in the "
+                             "profiled script)")
+    if rule.applyable:
+        return edits.no_diff(f"a kprof kernel, installed at run time by `kprof apply --patch {rule.id}`; the "
+                             "script needs no edit (`--write` gives the kprof.patch line that keeps it)")
+    return edits.no_diff(f"no source form: {rule.code_change or 'the kernel is not in this install'}")
+
+
 def suggest(run, rules: Sequence[Any] | None = None) -> pd.DataFrame:
     """Ranked suggestions for a saved run (kprof.store.Run). One row per rule that matched.
     plan.attrs["host_bound"]: host_bound(run.summary) (None when the step isn't host-bound)."""
@@ -119,13 +137,14 @@ def suggest(run, rules: Sequence[Any] | None = None) -> pd.DataFrame:
         pct_roof = float(att.fillna(0).sum() / t.sum() * 100) if att is not None and t.sum() > 0 else math.nan
         saving = max(measured - predicted, 0.0) if known else math.nan
         classes = [table.at[p, "module_class"] for p in paths]
+        source = _source(summary, paths, classes, "softmax" if rule.id.startswith("attention") else None)
         rows.append({
             "id": rule.id,
             "title": rule.title,
             "where": ", ".join(f"{g} x {n}" if n > 1 else g or "<model>" for g, n in group_paths(paths)),
             "paths": paths,
             "module_class": ", ".join(sorted(set(classes))),
-            "source": _source(summary, paths, classes, "softmax" if rule.id.startswith("attention") else None),
+            "source": source,
             "ms/step": measured / 1e3,
             "% of step": measured / 1e3 / step_ms * 100 if step_ms == step_ms and step_ms else math.nan,
             "class": cls,
@@ -140,10 +159,11 @@ def suggest(run, rules: Sequence[Any] | None = None) -> pd.DataFrame:
             "applyable": rule.applyable,
             "how": "kprof apply --patch " + rule.id if rule.applyable else (
                 rule.code_change or f"needs kernel(s) {', '.join(rule.missing_kernels())}"),
+            "diff": rule_diff(rule, source),
         })
     cols = ["id", "title", "where", "paths", "module_class", "source", "ms/step", "% of step", "class",
             "% of roofline", "change", "predicted ms/step", "saving ms/step", "saving %", "confidence",
-            "caveat", "applyable", "how"]
+            "caveat", "applyable", "how", "diff"]
     plan = pd.DataFrame(rows, columns=cols)
     if len(plan):
         plan = _by_saving(plan)
@@ -200,8 +220,36 @@ def plan_doc(run, plan: pd.DataFrame, diagnoses: pd.DataFrame | None = None) -> 
     return doc
 
 
+DIFFS = "diffs"
+
+
+def save_diffs(run, *frames: pd.DataFrame | None) -> None:
+    """Each row's unified diff as `diffs/<id>.patch` in the run's folder (`<id>-2.patch`, ... when
+    an id has several rows), its path set as the row's diff["patch_file"] and the command that
+    applies it as diff["command"] (the records are updated in place, so plan.json and --json name
+    them). GNU patch ignores an absolute name under -p0, so a file outside the working directory
+    is patched by base name in its folder (-d)."""
+    folder = Path(run.path) / DIFFS
+    seen: dict[str, int] = {}
+    for df in frames:
+        if df is None or "diff" not in df:
+            continue
+        for rid, d in zip(df["id"], df["diff"]):
+            if not isinstance(d, dict) or not d.get("unified_diff"):
+                continue
+            seen[rid] = seen.get(rid, 0) + 1
+            name = f"{rid}.patch" if seen[rid] == 1 else f"{rid}-{seen[rid]}.patch"
+            folder.mkdir(exist_ok=True)
+            (folder / name).write_text(d["unified_diff"])
+            d["patch_file"] = str(folder / name)
+            f = Path(d["file"])
+            d["command"] = (f"patch -d {f.parent} < {d['patch_file']}" if f.is_absolute()
+                            else f"patch -p0 < {d['patch_file']}")
+
+
 def save_plan(run, plan: pd.DataFrame, diagnoses: pd.DataFrame | None = None) -> Path:
-    """plan.json (`plan_doc`) in the run's folder."""
+    """plan.json (`plan_doc`) in the run's folder, and the diffs beside it (`save_diffs`)."""
+    save_diffs(run, plan, diagnoses)
     doc = plan_doc(run, plan, diagnoses)
     path = Path(run.path) / PLAN
     tmp = path.with_suffix(".json.tmp")
@@ -221,8 +269,9 @@ def load_plan(run) -> dict:
 
 
 def parse_ids(spec: str, plan: dict) -> list[str]:
-    """'all' -> every apply-able suggestion of the plan; 'a,b' -> those, checked against the plan."""
-    sugg = plan.get("suggestions") or []
+    """'all' -> every apply-able suggestion of the plan (kernel suggestions, then the diagnoses
+    apply installs, e.g. unfused_optimizer); 'a,b' -> those, checked against the plan."""
+    sugg = (plan.get("suggestions") or []) + [d for d in plan.get("diagnoses") or [] if d.get("applyable")]
     if not sugg:
         raise KprofError(f"run {plan.get('run')} has no suggestions: nothing to apply "
                          "(kprof suggest found no pattern kprof can fix in this profile)")
@@ -250,9 +299,10 @@ def parse_ids(spec: str, plan: dict) -> list[str]:
 def plan_for(before, rules_dir: str | None = None) -> dict:
     """The run's plan.json, computed and saved now (as `kprof suggest` would) if missing."""
     from kprof.rules import all_rules
+    from kprof.rules.diagnoses import diagnose
 
     try:
         return load_plan(before)
     except KprofError:
-        save_plan(before, suggest(before, all_rules(rules_dir)))
+        save_plan(before, suggest(before, all_rules(rules_dir)), diagnose(before))
         return load_plan(before)

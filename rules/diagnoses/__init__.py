@@ -17,6 +17,7 @@ import math
 
 import pandas as pd
 
+from kprof.rules.edits import no_diff
 from kprof.rules.diagnoses import (
     fp32_matmul,
     host_sync,
@@ -46,7 +47,7 @@ DIAGNOSES: list[Diagnosis] = [
 
 COLUMNS = ["id", "title", "where", "paths", "module_class", "source", "ms/step", "% of step", "class",
            "% of roofline", "change", "predicted ms/step", "saving ms/step", "saving %", "confidence",
-           "applyable", "how", "evidence", "saving note", "details"]
+           "applyable", "how", "evidence", "saving note", "details", "diff"]
 
 
 def diagnose(run, diagnoses: list[Diagnosis] | None = None) -> pd.DataFrame:
@@ -67,8 +68,9 @@ def diagnose(run, diagnoses: list[Diagnosis] | None = None) -> pd.DataFrame:
                 "source": f.source, "ms/step": f.ms_per_step, "% of step": pct(f.ms_per_step), "class": f.cls,
                 "% of roofline": math.nan, "change": f.change, "predicted ms/step": math.nan,
                 "saving ms/step": f.saving_ms, "saving %": pct(f.saving_ms), "confidence": f.confidence,
-                "applyable": False, "how": f.how, "evidence": f.evidence, "saving note": f.saving_note,
+                "applyable": f.applyable, "how": f.how, "evidence": f.evidence, "saving note": f.saving_note,
                 "details": list(f.details),
+                "diff": f.diff or no_diff(f"the {d.id} diagnosis derives no source change"),
             })
     return pd.DataFrame(rows, columns=COLUMNS)
 

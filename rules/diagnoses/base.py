@@ -30,6 +30,10 @@ class Finding:
     cls: str = ""  # what kind of time the evidence is ("host sync", "compute-bound", ...)
     confidence: str = "medium"  # high | medium | low: how sure the profile shows this problem
     details: list[dict] = field(default_factory=list)  # per-site records for --json
+    # The exact change (kprof.rules.edits): {"file", "line", "unified_diff", "reason"}; None: no
+    # builder ran, which diagnose() reports as such.
+    diff: dict | None = None
+    applyable: bool = False  # `kprof apply --patch <diagnosis id>` installs it on the live run
 
 
 @dataclass(frozen=True)
@@ -58,3 +62,9 @@ def parse_script(script: str | None) -> tuple[str, ast.Module] | None:
         return text, ast.parse(text, filename=script)
     except (SyntaxError, OSError, UnicodeDecodeError, ValueError):
         return None
+
+
+def site(source: str) -> tuple[str, int] | None:
+    """"path/train.py:42" -> ("path/train.py", 42); None when there is no line."""
+    path, _, line = (source or "").rpartition(":")
+    return (path, int(line)) if path and line.isdigit() else None

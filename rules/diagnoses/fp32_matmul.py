@@ -23,6 +23,7 @@ import math
 import numpy as np
 import pandas as pd
 
+from kprof.rules import edits
 from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, n_steps, step_ms
 
 MIN_CAPABILITY = (8, 0)  # TF32 and bf16 tensor cores arrive with Ampere (sm_80), NVIDIA Ampere whitepaper
@@ -130,6 +131,8 @@ def find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
         # Datasheet peaks overstate what a matmul reaches (H200: tf32 494.5 datasheet vs 387 measured).
         confidence="high" if ceil.get("kind") == "measured" else "medium",
         details=[{"module": m, "ms/step": v / n / 1e3} for m, v in by_mod.items()],
+        # TF32 is the one-line change; bf16 autocast wraps the step, which no line-level edit can place.
+        diff=edits.tf32(summary.get("script")),
     )]
 
 

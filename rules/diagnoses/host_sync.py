@@ -19,6 +19,7 @@ import re
 import statistics
 
 from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, n_steps
+from kprof.rules.edits import no_diff
 
 # Sync kind (kprof/capture/syncs.py's kind strings) -> the fix. First match wins: the order is precedence.
 FIXES: tuple[tuple[str, str], ...] = (
@@ -96,6 +97,8 @@ def find(ops, summary: dict) -> list[Finding]:
         how=f"{_short(first['file'])}:{first['line']}: {first['fix']}",
         saving_ms=saving, saving_note=note, source=f"{first['file']}:{first['line']}",
         paths=[f"{d['file']}:{d['line']}" for d in details], cls="host sync", confidence=conf, details=details,
+        diff=no_diff("the fix depends on what the script does with the synced value (logging, a branch, a "
+                     "metric) and on its loop variable: no exact textual change is derived"),
     )]
 
 

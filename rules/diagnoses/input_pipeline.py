@@ -28,7 +28,9 @@ import math
 import statistics
 from pathlib import Path
 
+from kprof.rules import edits
 from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, parse_script, step_ms
+from kprof.rules.edits import no_diff
 
 # Flag the pipeline when its wait is at least 5% of the profiled step: a 5% data stall on a
 # 100 ms step (5 ms) already outweighs the H200 Llama-1B run's steady idle (1.9-2.0 ms/step).
@@ -193,6 +195,7 @@ def find(ops, summary: dict) -> list[Finding]:
     for site, code, nb in blocking:
         hows.append(f"{_short(site)}: .to(device, non_blocking=True)")
     how = "; ".join(hows) or change
+    diff = _diff(summary.get("script"), loader_site, add if loader_site else [], blocking, calls and single and not workers)
 
     if gpu:
         note = ("measured: GPU idle while the host was in DataLoader.__next__ or a blocking host-to-device copy "
@@ -222,7 +225,23 @@ def find(ops, summary: dict) -> list[Finding]:
         cls="input pipeline",
         confidence=conf,
         details=details,
+        diff=diff,
     )]
+
+
+def _diff(script, loader_site, add: list[str], blocking: list, unknown_workers: bool) -> dict:
+    """One diff over the script: the DataLoader's keywords and non_blocking=True on its batch copies."""
+    if unknown_workers:
+        return no_diff("the worker count can't be derived from this run (no compute time left in the step): "
+                       "set num_workers by hand")
+    changes = []
+    if loader_site and add:
+        changes.append((int(loader_site[0].rsplit(":", 1)[1]), ("DataLoader",),
+                        dict(a.split("=", 1) for a in add)))
+    changes += [(int(s.rsplit(":", 1)[1]), COPY_METHODS, {"non_blocking": "True"}) for s, _, _ in blocking]
+    if not changes:
+        return no_diff("no DataLoader call or batch copy found in the script to change")
+    return edits.many_calls(script, changes)
 
 
 DIAGNOSIS = Diagnosis(id="input_pipeline", title="the step waits for input data", find=find)

@@ -44,6 +44,7 @@ import pandas as pd
 from kprof.analyze.modules import median_of
 from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, n_steps
 from kprof.rules.diagnoses.unfused_optimizer import construction_line
+from kprof.rules.edits import no_diff
 
 # The idle left after data waits must be at least 10% of the step window. Reference for a
 # healthy step: the H200 Llama-1B run (benchmarks/results/summary-20261129-190658-llama_train.json)
@@ -157,6 +158,8 @@ def find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
         confidence=conf,
         details=[{"idle ms/step": idle_us / 1e3, "step ms": window_us / 1e3, "idle basis": basis,
                   "data wait ms/step": wait_us / 1e3, "latency us": lat, "host syncs": syncs} | ks],
+        diff=no_diff("which region to capture (the model, the loss, the whole step) and whether it is free of "
+                     "host syncs and shape changes depend on the script: no exact textual change is derived"),
     )]
 
 

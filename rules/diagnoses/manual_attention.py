@@ -51,7 +51,9 @@ from collections import defaultdict
 import numpy as np
 import pandas as pd
 
-from kprof.rules.diagnoses.base import Diagnosis, Finding, n_steps, step_ms
+from kprof.rules import edits
+from kprof.rules.diagnoses.base import Diagnosis, Finding, n_steps, site, step_ms
+from kprof.rules.edits import no_diff
 
 # Kernel-level matmul rows: their shapes are the flattened (b, M, K) x (b, K, N) the GPU runs.
 MATMUL_ROWS = ("mm", "bmm", "addmm", "baddbmm")
@@ -394,6 +396,10 @@ def find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
     note = ("measured fwd+bwd time of the matched ops - SDPA roofline (FLOPs 2*b*Sq*Sk*(D+Dv) fwd, x3.5 fwd+bwd, "
             "halved if causal, at this run's ceilings)") if math.isfinite(saving) else \
         "no matmul peak or bandwidth in this run's ceilings: run `kprof calibrate`"
+    src = _source(summary, paths, ops)
+    at = site(src)
+    diff = edits.sdpa(at[0], at[1], causal) if at else no_diff(
+        "the attention's source line is not known (the module is not defined in the profiled script)")
     return [Finding(
         where=where,
         evidence=evidence,
@@ -403,13 +409,14 @@ def find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
         ms_per_step=total,
         saving_ms=saving,
         saving_note=note,
-        source=_source(summary, paths, ops),
+        source=src,
         paths=paths,
         cls="attention (hand-written)",
         # The chain is found from shapes in call order: sure. The saving is a roofline model,
         # meaningful at measured or datasheet ceilings, not at the labelled CPU default.
         confidence="medium" if ceil.get("kind") == "default" else "high",
         details=details,
+        diff=diff,
     )]
 
 

@@ -40,7 +40,9 @@ from collections import defaultdict
 import numpy as np
 import pandas as pd
 
-from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, n_steps, parse_script, step_ms
+from kprof.rules import edits
+from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, n_steps, parse_script, site, step_ms
+from kprof.rules.edits import no_diff
 from kprof.rules.diagnoses.manual_attention import arg_shapes, base_name, mm_dims
 from kprof.rules.diagnoses.moe import static_dims
 
@@ -266,6 +268,17 @@ def find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
             note = (f"upper bound: odd-shaped time - its FLOPs x {p}/{v} at the {tc} peak of the run's ceilings "
                     "(no matmul reaches the peak)")
         change, how = _change(v, p, need, ideal, g)
+        src = literal_line(summary.get("script"), v)
+        at = site(src)
+        if not change.startswith("pad out_features"):
+            # Padding an input width or the tokens per matmul changes the data or the layer feeding it.
+            diff = no_diff(f"the dimension {v} is not a Linear's out_features set by a literal (it is an input "
+                           "width or batch x sequence): padding it changes other code, no exact change")
+        elif at is None:
+            diff = no_diff(f"no literal {v} in the script {summary.get('script')}: the size comes from a config "
+                           "or another file")
+        else:
+            diff = edits.literal(at[0], at[1], v, p)
         if severity == "misaligned":
             conf = "high" if gpu and refs and not upper else "medium"
         else:
@@ -282,12 +295,13 @@ def find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
             ms_per_step=ms,
             saving_ms=saving,
             saving_note=note,
-            source=literal_line(summary.get("script"), v),
+            source=src,
             paths=paths,
             cls=f"{severity} matmul dim",
             confidence=conf,
             details=[{"dim": v, "padded": p, "severity": severity, "dtype": tc, "align": need, "ideal align": ideal}]
             + details,
+            diff=diff,
         ))
     findings.sort(key=lambda f: -(f.saving_ms if math.isfinite(f.saving_ms) else f.ms_per_step))
     return findings

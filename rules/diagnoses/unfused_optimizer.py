@@ -29,7 +29,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from kprof.rules import edits
 from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, n_steps, parse_script
+from kprof.rules.edits import no_diff
+
+ID = "unfused_optimizer"
+# The classes kprof apply switches to their fused step (rules/optimizer.py ALGORITHMS), by name:
+# the diagnosis reads a saved run, not the live optimizer.
+INSTALLABLE = ("Adam", "AdamW", "SGD")
 
 # Elementwise ops the torch.optim for-loop implementations call per parameter (op names without
 # `aten::` and leading underscores; torch/optim/{adam,adamw,sgd,adagrad,rmsprop}.py).
@@ -171,6 +178,18 @@ def find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
         change = "a fused optimizer step"
     if site:
         how = f"{Path(site[0].rsplit(':', 1)[0]).name}:{site[0].rsplit(':', 1)[1]}: `{site[1]}` -> {how}"
+    # kprof apply switches a live torch.optim Adam/AdamW/SGD to its fused step (rules/optimizer.py).
+    applyable = cls_name in INSTALLABLE
+    if applyable:
+        how = f"kprof apply --patch {ID} (this run); to keep it: " + how
+    if not fused_ok:
+        diff = no_diff(f"{name} takes no fused=True in this torch: no one-keyword change")
+    elif site is None:
+        diff = no_diff(f"no {name}(...) call found in the script {summary.get('script')}: the optimizer is built "
+                       "elsewhere (a library or another file)")
+    else:
+        path, line = site[0].rsplit(":", 1)
+        diff = edits.call_keywords(path, int(line), (cls_name,), {"fused": "True"}, drop=("foreach",))
     per_step_ops = int(round(len(o) / n))
     evidence = (f"{name} ({kind}): {per_step_ops} ops/step in optimizer.step, {measured:.3f} ms/step, over "
                 f"~{n_elem / 1e6:.3g}M parameter elements\nfused estimate: {accesses} accesses x {itemsize} B "
@@ -192,7 +211,9 @@ def find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
         confidence=("high" if fused_ok and cls_name in ACCESSES else "medium") if ceil.get("kind") != "default" else "low",
         details=[{"optimizer": cls_name, "implementation": kind, "parameter elements": n_elem,
                   "accepts fused": fused_ok, "fused estimate ms": fused_ms}],
+        diff=diff,
+        applyable=applyable,
     )]
 
 
-DIAGNOSIS = Diagnosis(id="unfused_optimizer", title="unfused optimizer step", find=find)
+DIAGNOSIS = Diagnosis(id=ID, title="unfused optimizer step", find=find)
