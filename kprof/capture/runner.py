@@ -61,6 +61,7 @@ import torch
 from torch import nn
 
 from kprof.capture import nvtx
+from kprof.capture.compiled import KernelRecorder
 from kprof.capture.syncs import SyncDetector
 from kprof.errors import KprofError
 
@@ -144,6 +145,10 @@ class RawRun:
     syncs_cpu: list[dict] = field(default_factory=list)  # would-be syncs, for a run that used no GPU
     shapes_recorded: str = "shapes step"  # "shapes step" | "every step": where op shapes come from
     sync_steps: int = 0  # steps the host-sync detector watched (profiler warm-up, recorded, shapes)
+    # torch.compile: Inductor's kernel call sites and Dynamo's graph-break/recompile log messages
+    # (kprof/capture/compiled.py); empty when the script compiled nothing.
+    inductor_kernels: list[dict] = field(default_factory=list)
+    compile_events: list[dict] = field(default_factory=list)
 
 
 class _StopScript(BaseException):
@@ -443,6 +448,7 @@ class _Session:
         self._module_hooks: list[Any] = []
         self._root_hook: Any = None
         self.dynamo_baseline = _dynamo_count()  # see _dynamo_used
+        self.compile_recorder = KernelRecorder()
 
     # ------------------------------------------------------------------ run
     def run(self) -> RawRun:
@@ -528,6 +534,18 @@ class _Session:
 
         torch.optim.Optimizer.__init__ = init  # type: ignore[method-assign]
         self._undo.append(lambda: setattr(torch.optim.Optimizer, "__init__", orig_init))
+
+        # Inductor's kernels and Dynamo's breaks are recorded from the first torch.compile call
+        # (nn.Module.compile calls it too).
+        orig_compile = torch.compile
+
+        def compile_(*args, **kwargs):
+            session.compile_recorder.start()
+            return orig_compile(*args, **kwargs)
+
+        torch.compile = compile_  # type: ignore[assignment]
+        self._undo.append(lambda: setattr(torch, "compile", orig_compile))
+        self._undo.append(self.compile_recorder.stop)
 
         # Losses: whatever each step calls .backward() on (Tensor.backward calls this too).
         orig_backward = torch.autograd.backward
@@ -1276,9 +1294,11 @@ class _Session:
             message=message,
             peak_memory_label=label,
             steps_before_timing=self.steps_before,
-            warnings=self.warnings,
+            warnings=self.warnings + self.compile_recorder.warnings,
             shapes_recorded="every step" if self.cfg.shapes_every_step else "shapes step",
             sync_steps=self.sync_steps,
+            inductor_kernels=list(self.compile_recorder.kernels),
+            compile_events=list(self.compile_recorder.events),
         )
 
 

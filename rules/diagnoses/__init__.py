@@ -19,11 +19,13 @@ import pandas as pd
 
 from kprof.rules.diagnoses import (
     fp32_matmul,
+    graph_break,
     host_sync,
     input_pipeline,
     launch_bound,
     manual_attention,
     matmul_shapes,
+    recompile,
     unfused_optimizer,
 )
 from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, n_steps, step_ms
@@ -36,6 +38,8 @@ DIAGNOSES: list[Diagnosis] = [
     launch_bound.DIAGNOSIS,
     manual_attention.DIAGNOSIS,
     matmul_shapes.DIAGNOSIS,
+    graph_break.DIAGNOSIS,
+    recompile.DIAGNOSIS,
 ]
 
 COLUMNS = ["id", "title", "where", "paths", "module_class", "source", "ms/step", "% of step", "class",
