@@ -26,6 +26,7 @@ of their call site: the k-th `aten::mm` inside a graph's call is the graph's k-t
 
 from __future__ import annotations
 
+import os
 import re
 from collections import defaultdict
 
@@ -185,6 +186,8 @@ def attributed_share(ops: pd.DataFrame) -> dict:
 # ----------------------------------------------------------------------------------------------
 # Graph breaks and recompiles, from Dynamo's log messages (kprof/capture/compiled.py)
 
+_KPROF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
+_KPROF_GUARDS = ("___check_torch_function_mode_stack", "User stack trace", "  File ")
 _AT_RE = re.compile(r"in user code at (?P<file>.+?):(?P<line>\d+)\s*$", re.M)
 _RECOMPILE_RE = re.compile(r"Recompiling function (?P<fn>\S+) in (?P<file>.+?):(?P<line>\d+)")
 _GUARD_RE = re.compile(r"^\s*- (?P<id>\d+/\d+): (?P<guard>.+?)\s*$", re.M)
@@ -226,16 +229,26 @@ def compile_events(messages: list[dict]) -> dict:
             at = _AT_RE.search(msg.split("\n", 1)[0]) or _AT_RE.search(msg)
             if not at:
                 continue
+            if at["file"].startswith(_KPROF_DIR):
+                # kprof's own host-sync detector wraps .item() & co.; Dynamo reports the same
+                # break inside it as well as at the user's line (planted script, torch 2.13).
+                continue
             key = (at["file"], int(at["line"]))
             e = breaks.setdefault(key, {"file": key[0], "line": key[1], "reason": _reason(msg),
                                         "hints": _hints(msg), "count": 0})
             e["count"] += 1
         elif m.get("kind") == "recompile":
             rc = _RECOMPILE_RE.search(msg)
-            if not rc:
+            if not rc or rc["file"].startswith(_KPROF_DIR):
+                # kprof's module hooks, which Dynamo compiles between graphs: not the script's.
                 continue
-            guards = _GUARD_RE.findall(msg)
-            guard = guards[0][1] if guards else ""
+            # kprof's host-sync detector is a TorchFunctionMode pushed for the watched steps, so
+            # Dynamo's mode-stack guard fails when it comes and goes: kprof's doing, not the
+            # script's (planted script, torch 2.13). The first other failed guard is the cause.
+            guards = [g for _, g in _GUARD_RE.findall(msg) if not g.startswith(_KPROF_GUARDS)]
+            if not guards:
+                continue
+            guard = guards[0]
             src = _GUARD_SRC_RE.search(guard)
             text = guard.split("#", 1)[0].strip() if src else guard
             key = (rc["file"], int(rc["line"]), rc["fn"], text)

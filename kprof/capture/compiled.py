@@ -237,6 +237,17 @@ class KernelRecorder:
 
     def _watch_logs(self) -> None:
         handler = _LogCatcher(self.events)
+        try:
+            # Dynamo builds a recompile message only when the artifact is on in torch._logging's
+            # state (guards.is_recompiles_enabled, torch 2.13); the loggers below keep it quiet.
+            from torch._logging._internal import log_state
+
+            for art in _LOG_ARTIFACTS:
+                if not log_state.is_artifact_enabled(art):
+                    log_state.enable_artifact(art)
+                    self._undo.append(lambda a=art: log_state.artifact_names.discard(a))
+        except Exception as e:  # noqa: BLE001
+            self.warnings.append(f"recompiles may not be diagnosed (torch._logging moved: {e!r})")
         # Created here if Dynamo has not imported yet: torch._logging.getArtifactLogger returns
         # the same logger later and keeps its level (it only ever turns propagation off).
         names = set(_LOG_LOGGERS) | {n for n in logging.Logger.manager.loggerDict
