@@ -211,7 +211,7 @@ def _nothing_recorded(raw) -> str:
 
 def analyse(raw) -> tuple[pd.DataFrame, dict]:
     """The per-op table with costs and roofline columns, plus the summary's analysed sections."""
-    from kprof.analyze import ceilings, costmodel, distributed, efficiency, kernels, trace
+    from kprof.analyze import ceilings, compiled, costmodel, distributed, efficiency, kernels, trace
     from kprof.analyze import tables as analysis
 
     events = trace.load_trace(raw.trace_path)
@@ -223,6 +223,8 @@ def analyse(raw) -> tuple[pd.DataFrame, dict]:
         raw.device = device_info(use_cuda=False) | {"unused_gpu": (raw.device or {}).get("name")}
         raw.syncs = list(raw.syncs_cpu)  # what would sync on a GPU, like any CPU run
     ops = costmodel.annotate(trace.op_table(events))
+    kernels = getattr(raw, "inductor_kernels", None)
+    ops = compiled.attribute(ops, kernels)
     ceil = ceilings.for_device(raw.device)
     # The runner doesn't record whether TF32 was allowed for fp32 matmuls; the roofline assumes
     # PyTorch's default (off), so fp32 matmuls are held to the fp32 peak.
@@ -260,6 +262,7 @@ def analyse(raw) -> tuple[pd.DataFrame, dict]:
         "input_wait": analysis.input_wait_by_step(
             trace.input_ranges(events), events.device if events.device_type == "cuda" else None,
             events.steps["step"].tolist()),
+        "compile": compiled.summary_section(ops, kernels, getattr(raw, "compile_events", None)),
     }
     return ops, out
 
@@ -333,6 +336,9 @@ def build_summary(raw, a: dict | None) -> dict[str, Any]:
         "losses": list(raw.losses),
         "module_classes": dict(raw.module_classes),
         "wall_time_s": raw.wall_time_s,
+        # torch.compile: Inductor kernel attribution, graph breaks, recompiles (analyze/compiled.py)
+        "compile": a.get("compile") if a.get("compile") is not None
+                   else _compile_without_analysis(raw),
     }
 
 
@@ -354,6 +360,15 @@ def _threshold() -> dict:
 
     return {"value": efficiency.UNDER_USED_THRESHOLD, "fitted": False,
             "note": "provisional; to be fitted on the 1B Llama with ncu counters (issue 26)"}
+
+
+def _compile_without_analysis(raw) -> dict | None:
+    """The graph breaks and recompiles, which need no trace, when the analysis failed or found
+    nothing compiled."""
+    from kprof.analyze import compiled
+
+    msgs = getattr(raw, "compile_events", None)
+    return compiled.compile_events(msgs) if msgs else None
 
 
 def _figure_basis(basis: dict, overhead_pct: float | None, raw) -> dict:

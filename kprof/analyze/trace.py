@@ -63,6 +63,10 @@ SKIP_CATS = ("gpu_user_annotation", "ac2g", "Trace", "overhead")
 # Not ops: "autograd::engine::evaluate_function: ...", "torch::autograd::AccumulateGrad" (two
 # namespaces), autograd node ranges ("MmBackward0"), record_function ranges.
 _OP_RE = re.compile(r"^(?!autograd::)[A-Za-z_]\w*::[A-Za-z_]\w*$")
+# Inductor's generated kernels are ops too: the range around a Triton launch is named after the
+# kernel (triton_poi_fused_add_0), a C++ kernel's range (cpp.enable_kernel_profile, which the
+# runner turns on) "graph_<id>_cpp_fused_...". kprof/analyze/compiled.py attributes them.
+INDUCTOR_KERNEL_RE = re.compile(r"^(?:graph_\d+_)?(?:cpp|triton)_\w+$")
 
 # Kineto's element-type names (c10 TypeMeta names, checked against torch 2.13's profiler output in
 # tests/profile/test_trace.py) -> torch dtype names.
@@ -205,7 +209,7 @@ def _nest(host: pd.DataFrame) -> pd.DataFrame:
         return host
     names = host["name"].astype(str)
     cats = host["cat"].astype(str)
-    is_op = (names.str.match(_OP_RE) & (cats == "cpu_op")).to_numpy()
+    is_op = ((names.str.match(_OP_RE) | names.str.match(INDUCTOR_KERNEL_RE)) & (cats == "cpu_op")).to_numpy()
     is_mod = names.str.startswith(MODULE_PREFIX).to_numpy()
     is_bwd = names.str.startswith(BWD_PREFIX).to_numpy()
     is_opt = names.str.startswith(OPTIM_PREFIX).to_numpy()

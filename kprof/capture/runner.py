@@ -61,6 +61,7 @@ import torch
 from torch import nn
 
 from kprof.capture import nvtx
+from kprof.capture.compiled import KernelRecorder
 from kprof.capture.syncs import SyncDetector
 from kprof.errors import KprofError
 
@@ -160,6 +161,10 @@ class RawRun:
     memory_snapshot_path: str | None = None  # torch.cuda.memory._snapshot() pickled (CUDA runs)
     # topk choices per module in the shapes step (SyncDetector.routing_summary): MoE routing
     routing: list[dict] = field(default_factory=list)
+    # torch.compile: Inductor's kernel call sites and Dynamo's graph-break/recompile log messages
+    # (kprof/capture/compiled.py); empty when the script compiled nothing.
+    inductor_kernels: list[dict] = field(default_factory=list)
+    compile_events: list[dict] = field(default_factory=list)
 
 
 class _StopScript(BaseException):
@@ -465,6 +470,7 @@ class _Session:
         self._module_hooks: list[Any] = []
         self._root_hook: Any = None
         self.dynamo_baseline = _dynamo_count()  # see _dynamo_used
+        self.compile_recorder = KernelRecorder()
 
     # ------------------------------------------------------------------ run
     def run(self) -> RawRun:
@@ -571,6 +577,17 @@ class _Session:
 
             h = optim_module.register_optimizer_step_pre_hook(first_step)
             self._undo.append(h.remove)
+        # Inductor's kernels and Dynamo's breaks are recorded from the first torch.compile call
+        # (nn.Module.compile calls it too).
+        orig_compile = torch.compile
+
+        def compile_(*args, **kwargs):
+            session.compile_recorder.start()
+            return orig_compile(*args, **kwargs)
+
+        torch.compile = compile_  # type: ignore[assignment]
+        self._undo.append(lambda: setattr(torch, "compile", orig_compile))
+        self._undo.append(self.compile_recorder.stop)
 
         # Losses: whatever each step calls .backward() on (Tensor.backward calls this too).
         orig_backward = torch.autograd.backward
@@ -1415,12 +1432,14 @@ class _Session:
             message=message,
             peak_memory_label=label,
             steps_before_timing=self.steps_before,
-            warnings=self.warnings,
+            warnings=self.warnings + self.compile_recorder.warnings,
             shapes_recorded="every step" if self.cfg.shapes_every_step else "shapes step",
             sync_steps=self.sync_steps,
             memory=self.memory,
             memory_snapshot_path=self.memory_snapshot_path,
             routing=self._routing(),
+            inductor_kernels=list(self.compile_recorder.kernels),
+            compile_events=list(self.compile_recorder.events),
         )
 
     def _routing(self) -> list[dict]:

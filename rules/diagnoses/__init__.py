@@ -20,6 +20,7 @@ import pandas as pd
 from kprof.rules.edits import no_diff
 from kprof.rules.diagnoses import (
     fp32_matmul,
+    graph_break,
     host_sync,
     input_pipeline,
     launch_bound,
@@ -28,6 +29,7 @@ from kprof.rules.diagnoses import (
     memory,
     strided_elementwise,
     moe,
+    recompile,
     unfused_optimizer,
 )
 from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, n_steps, step_ms
@@ -43,6 +45,8 @@ DIAGNOSES: list[Diagnosis] = [
     *memory.DIAGNOSES,
     strided_elementwise.DIAGNOSIS,
     *moe.DIAGNOSES,
+    graph_break.DIAGNOSIS,
+    recompile.DIAGNOSIS,
 ]
 
 COLUMNS = ["id", "title", "where", "paths", "module_class", "source", "ms/step", "% of step", "class",
