@@ -223,8 +223,7 @@ def analyse(raw) -> tuple[pd.DataFrame, dict]:
         raw.device = device_info(use_cuda=False) | {"unused_gpu": (raw.device or {}).get("name")}
         raw.syncs = list(raw.syncs_cpu)  # what would sync on a GPU, like any CPU run
     ops = costmodel.annotate(trace.op_table(events))
-    kernels = getattr(raw, "inductor_kernels", None)
-    ops = compiled.attribute(ops, kernels)
+    ops = compiled.attribute(ops, getattr(raw, "inductor_kernels", None))
     ceil = ceilings.for_device(raw.device)
     # The runner doesn't record whether TF32 was allowed for fp32 matmuls; the roofline assumes
     # PyTorch's default (off), so fp32 matmuls are held to the fp32 peak.
@@ -262,7 +261,8 @@ def analyse(raw) -> tuple[pd.DataFrame, dict]:
         "input_wait": analysis.input_wait_by_step(
             trace.input_ranges(events), events.device if events.device_type == "cuda" else None,
             events.steps["step"].tolist()),
-        "compile": compiled.summary_section(ops, kernels, getattr(raw, "compile_events", None)),
+        "compile": compiled.summary_section(ops, getattr(raw, "inductor_kernels", None),
+                                            getattr(raw, "compile_events", None)),
     }
     return ops, out
 

@@ -120,7 +120,7 @@ def test_under_the_users_own_torchrun(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--nproc-per-node", "0"], "at least 1"),
-    (["--nproc-per-node", "2", "--json"], "--json goes with one process"),
+    (["--nproc-per-node", "2", "--json"], "--json and --ncu go with one process"),
 ])
 def test_bad_nproc_input(tmp_path, capsys, args, message):
     from kprof.cli import main
