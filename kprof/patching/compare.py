@@ -222,7 +222,7 @@ def _ids_for(before, patch: str, rules_dir: str | None) -> tuple[list[str], str 
     ids = [i for i in ids if i != OPTIMIZER_ID]
     if not ids:
         return [], (f"nothing to patch: {OPTIMIZER_ID} is switched on the live optimizer by plain `kprof apply`, "
-                    "not in --compare's variants")
+                    "not in --compare's variants (the kprof variants would be eager)")
     return ids, None
 
 
