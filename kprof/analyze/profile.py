@@ -22,7 +22,7 @@ from typing import Any, Callable
 import pandas as pd
 
 from kprof import store
-from kprof.errors import KprofError
+from kprof.errors import BAD_INPUT, INTERRUPTED, SCRIPT_FAILED, KprofError
 from kprof.store import Run
 from kprof.version import __version__
 
@@ -43,6 +43,7 @@ def profile_script(
     progress: Progress | None = None,
     on_root_module: Callable | None = None,
     shapes_every_step: bool = False,
+    summary_extra: dict | None = None,
 ) -> Run:
     """Profile `script` and save the run under `out_root`; returns the saved Run.
 
@@ -53,11 +54,13 @@ def profile_script(
 
     Op shapes are recorded on one step after the recorded ones; `shapes_every_step` records them
     on every recorded step instead (ops whose shapes vary from step to step: MoE dispatch, packed
-    sequences), at the cost of profiler overhead on the timed ops.
+    sequences), at the cost of profiler overhead on the timed ops. `summary_extra` is merged into
+    summary.json (kprof apply marks its patched run with it, partial runs included).
     """
     from kprof.capture.runner import RunConfig, run_script
 
     notify = progress or (lambda event, **info: None)
+    extra = dict(summary_extra or {})
     store.ensure_root(out_root, exit_code=2)  # a bad --out fails now, not after the whole run
 
     with tempfile.TemporaryDirectory(prefix="kprof-trace-") as trace_dir:
@@ -67,21 +70,40 @@ def profile_script(
         raw = run_script(script, list(argv or []), cfg, progress=progress)
 
         if not raw.steps_recorded or not raw.trace_path:
-            code = 130 if raw.status == "interrupted" else (raw.exit_code or 1)  # 130: 128 + SIGINT
-            raise KprofError(_nothing_recorded(raw), exit_code=code)
+            # A script that never stepped did not fail: kprof could not profile it (bad input).
+            code = {"interrupted": INTERRUPTED, "error": SCRIPT_FAILED}.get(raw.status, BAD_INPUT)
+            raise KprofError(_nothing_recorded(raw), exit_code=code,
+                             detail=raw.error if raw.status == "error" else None)
 
         notify("analysis")
         try:
             ops, analysed = analyse(raw)
+        except KeyboardInterrupt:
+            # Ctrl-C (or SIGTERM) after the last recorded step: the steps are measured, so keep
+            # them, with the raw trace, marked interrupted, rather than lose the whole run.
+            summary = build_summary(raw, None) | extra | {
+                "status": "interrupted",
+                "status_note": f"interrupted during kprof's analysis; {raw.steps_recorded} recorded steps and the "
+                               "raw trace are kept, without the op table: profile again for the analysis"}
+            path = store.save_run(summary, pd.DataFrame(), raw.trace_path, root=out_root)
+            raise KprofError(f"interrupted during kprof's analysis; the measurements and raw trace are saved in "
+                             f"{path}, marked interrupted; profile again for the analysis",
+                             exit_code=INTERRUPTED) from None
+        except KprofError as e:
+            # The trace itself is bad (truncated, not JSON): the user's environment, not a kprof bug.
+            summary = build_summary(raw, None) | extra | {"analysis_error": str(e)}
+            path = store.save_run(summary, pd.DataFrame(), None, root=out_root)
+            raise KprofError(f"{e} (the run's measurements are saved in {path})", exit_code=e.exit_code) from None
         except Exception:
             # A bug in kprof's analysis must not cost the user the run: keep what the runner
             # measured and the raw trace, then fail loudly.
             tb = traceback.format_exc()
-            summary = build_summary(raw, None) | {"analysis_error": tb}
+            summary = build_summary(raw, None) | extra | {"analysis_error": tb}
             path = store.save_run(summary, pd.DataFrame(), raw.trace_path, root=out_root)
             raise KprofError(f"kprof's trace analysis failed; this is a kprof bug, please report it with the "
-                             f"trace. The run's measurements and raw trace are saved in {path}.\n{tb.rstrip()}") from None
-        summary = build_summary(raw, analysed)
+                             f"trace. The run's measurements and raw trace are saved in {path}",
+                             exit_code=SCRIPT_FAILED, detail=tb) from None
+        summary = build_summary(raw, analysed) | extra
         notify("save")
         path = store.save_run(summary, ops, raw.trace_path, root=out_root)
     return Run(path=path, summary=store.load_summary(path), _ops=ops)
@@ -93,9 +115,11 @@ def load_run(path: str | os.PathLike | None = None, root: str | os.PathLike = st
 
 
 def _nothing_recorded(raw) -> str:
+    name = os.path.basename(raw.script)
     if raw.status == "error":
-        return (f"{raw.script} raised before any step was recorded, so there is nothing to profile:\n"
-                f"{(raw.error or '').rstrip()}")
+        why = (raw.error or "").strip().splitlines()[-1:] or ["?"]
+        return (f"{name} failed (exit code {raw.exit_code}) before any step was recorded, so nothing was saved: "
+                f"{why[0]}; fix the script (its traceback is above) and profile again")
     if raw.status == "interrupted":
         return "interrupted before any step was recorded; nothing was saved"
     return f"no step was recorded, so nothing was saved: {raw.message or raw.status}"

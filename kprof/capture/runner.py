@@ -46,6 +46,7 @@ import platform
 import re
 import resource
 import runpy
+import signal
 import socket
 import sys
 import tempfile
@@ -54,6 +55,7 @@ import time
 import traceback
 import warnings
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -492,7 +494,10 @@ class _Session:
             status, exit_code, error = "error", 1, self._script_traceback(e)
         finally:
             self._uninstall()
-            self._finish_profiler(complete=False)
+            try:
+                self._finish_profiler(complete=False)
+            except KeyboardInterrupt:  # held while the trace was written (_interrupts_held)
+                status, exit_code = "interrupted", 130
         if abort is not None:
             raise abort
         return self._result(status, error, exit_code, time.perf_counter() - t0)
@@ -1094,7 +1099,13 @@ class _Session:
             self.steps_recorded += 1
 
     def _finish_profiler(self, complete: bool) -> None:
-        """Stop recording, export the trace if any step was recorded. Safe to call twice."""
+        """Stop recording, export the trace if any step was recorded. Safe to call twice.
+        A Ctrl-C (or SIGTERM) that arrives meanwhile is held until the trace is written, then
+        raised: an interrupt just after the last recorded step keeps the run."""
+        with _interrupts_held():
+            self._finish_profiler_now(complete)
+
+    def _finish_profiler_now(self, complete: bool) -> None:
         partial = self.step_open if (self.step_handle is not None and not complete) else None
         self._close_step_range(complete=complete)
         if self.shapes_handle is not None:  # the script ended inside the shapes step: keep it
@@ -1280,6 +1291,26 @@ class _Session:
             shapes_recorded="every step" if self.cfg.shapes_every_step else "shapes step",
             sync_steps=self.sync_steps,
         )
+
+
+@contextmanager
+def _interrupts_held():
+    """Hold SIGINT and SIGTERM for the block (main thread only; signal handlers live there) and
+    raise KeyboardInterrupt after it if one arrived."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    saved = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        saved[sig] = signal.signal(sig, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    if got:
+        raise KeyboardInterrupt("SIGTERM" if signal.SIGTERM in got else "SIGINT")
 
 
 def _dynamo_count() -> int | None:

@@ -22,6 +22,9 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -30,7 +33,7 @@ import pandas as pd
 
 from kprof import store
 from kprof.analyze.profile import load_run, profile_script
-from kprof.errors import KprofError
+from kprof.errors import INTERRUPTED, PATCH_FAILED, SCRIPT_FAILED, KprofError
 from kprof.patching import ablation as ab
 from kprof.patching.install import check_rules
 from kprof.patching.install import patch as kpatch
@@ -164,6 +167,65 @@ def compare_losses(before, after, reports, n: int = 5) -> tuple[pd.DataFrame, bo
     tol = TOLERANCE[dtype]
     b, a = float(lb[0]), float(la[0])
     return df, abs(a - b) <= tol.atol + tol.rtol * abs(b), tol.rtol
+
+
+def _last_line(text: str | None) -> str:
+    lines = [ln.strip() for ln in (text or "").strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "no error message"
+
+
+def check_write_target(path: Path, script: str | None = None, *, force: bool = False) -> None:
+    """Refuse a `--write` target before any run starts: a folder, a path that can't be written,
+    or an existing file (unless `force`: then write_keep_file keeps a backup)."""
+    if str(path) == "-":
+        return
+    if path.is_dir():
+        raise KprofError(f"--write {path} is a folder; pass a file path such as {path / 'keep_patches.py'}")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise KprofError(f"--write {path}: the folder {parent} does not exist; create it or pass another path")
+    try:  # the one sure test of writability (permissions, read-only mounts, immutable folders)
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        raise KprofError(f"--write {path}: cannot write in {parent} ({e.strerror or e}); pass a writable path") from None
+    if path.exists() or path.is_symlink():
+        mine = script is not None and path.resolve() == Path(script).resolve()
+        if not force:
+            raise KprofError(f"--write {path} exists{' and is the training script itself' if mine else ''}; pass a new "
+                             f"file name, or add --force to replace it (the old file is kept as {backup_name(path)})")
+        if not os.access(path, os.W_OK) or not path.is_file():
+            raise KprofError(f"--write {path} exists and is not a writable file; pass another path")
+
+
+def backup_name(path: Path) -> Path:
+    """FILE.bak, or FILE.bak.1, .2, ... when that exists: an earlier backup is never overwritten."""
+    bak = path.with_name(path.name + ".bak")
+    i = 1
+    while bak.exists() or bak.is_symlink():
+        bak = path.with_name(f"{path.name}.bak.{i}")
+        i += 1
+    return bak
+
+
+def write_keep_file(path: Path, text: str) -> Path | None:
+    """Write `text` to `path` whole or not at all (a temporary file renamed over it); an existing
+    file is first copied to backup_name(path), which is returned."""
+    bak = None
+    if path.exists():
+        bak = backup_name(path)
+        shutil.copy2(path, bak)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".kprof-tmp", dir=path.parent if str(path.parent) else ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        if bak is not None:
+            shutil.copymode(bak, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return bak
 
 
 def write_lines(ids: Sequence[str], strict: bool) -> str:
@@ -413,6 +475,7 @@ def apply(
                          f"fewest a 95% sign test can decide with; each more patch group adds "
                          f"{ab.MIN_BLOCKS + ab.WARM_BLOCKS} steps", exit_code=2)
     root = out_root or store.DEFAULT_ROOT
+    store.ensure_root(root)  # an unwritable store fails now, not after the ablation run
     before = load_run(run, root) if run is not None else store.latest_plain_run(root)
     store.check_same_script(before, script)
     plan = plan_for(before, rules_dir)
@@ -426,7 +489,8 @@ def apply(
             return None
         return KprofError("--strict: " + "; ".join(f"{r.rule} at {r.path or '<model>'} failed verification: "
                                                    f"{r.verification.summary()}" for r in failed)
-                          + "; run without --strict to keep the original code for these and go on")
+                          + "; run without --strict to keep the original code for these and go on",
+                          exit_code=PATCH_FAILED)
 
     # 1. The ablation: one unprofiled run, the patch groups switched between timed steps.
     abl = _Ablation(ids, strict=strict, rules_dir=rules_dir, budget=steps, seed=seed)
@@ -443,11 +507,15 @@ def apply(
     err = strict_failure(abl.reports)
     if err is not None:
         raise err
-    if raw.status == "error" and not raw.step_times_ms:
-        raise KprofError(f"{script} failed during kprof apply's ablation run:\n{(raw.error or '').rstrip()}",
-                         exit_code=raw.exit_code or 1)
+    if raw.status == "error":
+        # Whether or not steps were timed, a script that fails is not a result to act on.
+        raise KprofError(f"{Path(script).name} failed (exit code {raw.exit_code}) during kprof apply's ablation run "
+                         f"(patches switched on and off; not saved): {_last_line(raw.error)}; fix the script (its "
+                         f"traceback is above) and run kprof apply again; the planned run {before.name} is unchanged",
+                         exit_code=SCRIPT_FAILED, detail=raw.error)
     if raw.status == "interrupted":
-        raise KprofError("interrupted during kprof apply's ablation run; nothing was saved", exit_code=130)
+        raise KprofError(f"interrupted during kprof apply's ablation run; nothing was saved and the planned run "
+                         f"{before.name} is unchanged", exit_code=INTERRUPTED)
     if not abl.reports:
         raise KprofError(f"{script} never called an nn.Module, so there was nothing to patch")
     notes: list[str] = []
@@ -482,8 +550,10 @@ def apply(
         reports.append(kpatch(model, rules=kept, strict=strict, rules_dir=rules_dir))
 
     try:
+        # Marked as apply's even if it ends partial: later commands must not plan from a patched run.
         after = profile_script(script, list(argv), warmup=warmup, steps=int(before.summary.get("steps") or 5),
-                               out_root=root, progress=progress, on_root_module=on_root if kept else None)
+                               out_root=root, progress=progress, on_root_module=on_root if kept else None,
+                               summary_extra={"apply_of": {"run": before.name, "patches": list(kept)}})
     except KprofError:
         err = strict_failure(reports)  # the gate raised inside the script: say so without its traceback
         if err is not None:
@@ -495,6 +565,16 @@ def apply(
     err = strict_failure(reports)
     if err is not None:
         raise err
+    status, n = after.summary.get("status"), after.summary.get("steps_recorded") or 0
+    if status in ("error", "interrupted"):
+        what = (f"{Path(script).name} failed (exit code {after.summary.get('exit_code')})" if status == "error"
+                else "interrupted")
+        raise KprofError(f"{what} during kprof apply's after run, after {n} recorded step{'s' if n != 1 else ''}; "
+                         f"the partial run {after.name} is kept, marked {status} and as apply's (later commands do "
+                         f"not plan from it); nothing was written" + ("; fix the script and run kprof apply again"
+                                                                      if status == "error" else ""),
+                         exit_code=SCRIPT_FAILED if status == "error" else INTERRUPTED,
+                         detail=after.summary.get("error") if status == "error" else None)
     recs = [r for rep in reports for r in rep.records]
     pending = [r for r in recs if r.status == "pending"]
     if pending:

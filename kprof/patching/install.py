@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.nn as nn
 
-from kprof.errors import KprofError
+from kprof.errors import PATCH_FAILED, KprofError
 from kprof.patching.verify import Verification, verify_call
 
 _MISSING = object()
@@ -166,7 +166,8 @@ class _Unit:
             self.record.status = "reverted"
             msg = f"kprof patch {self.record.rule} at {self.record.path} failed verification: {v.summary()}"
             if self.strict:
-                raise KprofError(msg + "; drop --strict to keep the original code for this module and go on")
+                raise KprofError(msg + "; drop --strict to keep the original code for this module and go on",
+                                 exit_code=PATCH_FAILED)
             warnings.warn(msg + "; reverted to the original code", stacklevel=2)
         for sib in self.siblings:
             sib.status, sib.verification = self.record.status, v
