@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -204,9 +206,15 @@ def save_plan(run, plan: pd.DataFrame, diagnoses: pd.DataFrame | None = None) ->
     """plan.json (`plan_doc`) in the run's folder."""
     doc = plan_doc(run, plan, diagnoses)
     path = Path(run.path) / PLAN
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=1, allow_nan=False))
-    tmp.replace(path)
+    # A temporary name of its own: two `kprof suggest` at once must not rename each other's file.
+    fd, tmp = tempfile.mkstemp(prefix=".plan.", suffix=".tmp", dir=run.path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(doc, indent=1, allow_nan=False))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
 
 
