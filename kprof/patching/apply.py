@@ -475,8 +475,8 @@ def apply(
                          f"fewest a 95% sign test can decide with; each more patch group adds "
                          f"{ab.MIN_BLOCKS + ab.WARM_BLOCKS} steps", exit_code=2)
     root = out_root or store.DEFAULT_ROOT
-    store.ensure_root(root)  # an unwritable store fails now, not after the ablation run
     before = load_run(run, root) if run is not None else store.latest_plain_run(root)
+    store.ensure_root(root)  # an unwritable store fails now, not after the ablation run
     store.check_same_script(before, script)
     plan = plan_for(before, rules_dir)
     ids = parse_ids(patch, plan)
