@@ -231,7 +231,7 @@ def child_main(spec_path: str) -> int:
     try:
         _run_child(spec, out)
     except KprofError as e:
-        out["error"] = str(e)
+        out["error"] = (e.detail.rstrip() + "\n" if e.detail else "") + str(e)  # the traceback, then the line
     except BaseException as e:  # noqa: BLE001 - anything: the row reports it
         out["error"] = "".join(traceback.format_exception(type(e), e, e.__traceback__)).rstrip()
         if isinstance(e, KeyboardInterrupt):
