@@ -122,7 +122,9 @@ def _launches(ops: pd.DataFrame) -> np.ndarray:
 def _is_comm(ops: pd.DataFrame) -> np.ndarray:
     op = ops["op"].astype(str)
     kernel = ops["kernel"].astype(str) if "kernel" in ops else pd.Series("", index=ops.index)
-    return (op.str.contains(_COMM_RE) | kernel.str.contains("nccl", case=False)).to_numpy()
+    # aten has no collectives: its broadcast_tensors, say, is shape arithmetic, not communication
+    named = op.str.contains(_COMM_RE) & ~op.str.startswith("aten::")
+    return (named | kernel.str.contains("nccl", case=False)).to_numpy()
 
 
 # ----------------------------------------------------------------------------------------------

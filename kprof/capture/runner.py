@@ -1115,6 +1115,11 @@ class _Session:
             self.shapes_pending = False
             self.warnings.append("the script ended before the step that records op shapes (one more after "
                                  "the recorded steps); ops have no shapes, so their costs are unknown")
+            if self.detector is not None and complete is False and self.steps_recorded == self.cfg.steps:
+                # No forward came after the last recorded step: what the detector saw since is the
+                # code after the loop (a final print(loss)), run once, not a per-step sync.
+                self.detector.forget_step(self.cfg.steps + 1)
+                self.sync_steps -= 1
         self._close_all_ranges()
         self.annotating = False
         self._stop_sync_detector()

@@ -57,6 +57,13 @@ def test_roofline_classes_and_numbers():
     assert math.isnan(r.iloc[3]["attainable (us)"]) and math.isnan(r.iloc[3]["% of roofline"])
 
 
+def test_broadcast_tensors_is_not_communication():
+    # aten::broadcast_tensors moves nothing between devices; a c10d broadcast does (issue 22)
+    ops = pd.DataFrame([row("aten::broadcast_tensors", 0, 0, 10.0),
+                        row("c10d::broadcast_", 0, 1e6, 80.0, kernel="ncclDevKernel_Broadcast")])
+    assert list(analysis.roofline(ops, CEIL)["class"]) == ["latency-bound", "communication"]
+
+
 def test_ridge_point_depends_on_dtype_class_and_tf32():
     # fp32 matmul at 50 FLOP/B: above the fp32 ridge (10) but below the tf32 ridge (50.x)
     ops = pd.DataFrame([row("aten::mm", 50e9, 1e9 - 1e6, 10_000.0, dtype="float32")])
