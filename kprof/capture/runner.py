@@ -1264,6 +1264,9 @@ class _Session:
                 f"{self.cfg.warmup} warm-up + {self.cfg.steps} timed + {PROFILER_WARMUP_STEPS} profiler warm-up "
                 f"+ {self.cfg.steps} recorded + {SHAPES_STEPS} shapes steps. Run it longer or lower --warmup/--steps."
             )
+            if self.mode != "optimizer":
+                message += (" A script with no optimizer step (no backward: inference, evaluation) is stepped by "
+                            "calls of its outermost module: pass --step forward.")
         elif status == "interrupted":
             message = f"interrupted; {self.steps_recorded} recorded steps kept"
         elif status == "error":

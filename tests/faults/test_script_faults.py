@@ -82,6 +82,17 @@ def test_never_steps(tmp_path):
     assert runs_intact(tmp_path / "runs") == []
 
 
+def test_no_backward_hint_names_step_forward(tmp_path):
+    # An inference loop: module calls but no optimizer step, too few to decide on forward steps.
+    s = tmp_path / "infer.py"
+    s.write_text("import torch\nm = torch.nn.Linear(8, 8)\nwith torch.no_grad():\n"
+                 "    for i in range(10):\n        m(torch.randn(4, 8))\n")
+    res = kprof("profile", s, *FAST, "--out", tmp_path / "runs")
+    assert res.code == 2 and flat("pass --step forward") in flat(res.err)
+    res = kprof("profile", s, *FAST, "--step", "forward", "--out", tmp_path / "runs")
+    assert res.code == 0 and len(runs_intact(tmp_path / "runs")) == 1  # the hint works
+
+
 def test_markup_in_output(tmp_path):
     body = 'print("[/train] [bold]x\\x1b[31m red \\x07", i)  # [/train] in the source too\n'
     res, runs = _profile(tmp_path, body)
