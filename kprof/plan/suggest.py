@@ -136,8 +136,7 @@ def suggest(run, rules: Sequence[Any] | None = None) -> pd.DataFrame:
             "predicted ms/step": predicted / 1e3 if known else math.nan,
             "saving ms/step": saving / 1e3 if known else math.nan,
             "saving %": saving / 1e3 / step_ms * 100 if known and step_ms == step_ms and step_ms else math.nan,
-            # Host-bound: the GPU-time saving stands, but the step won't get shorter by it.
-            "confidence": rule.confidence if known and hb is None else "low",
+            "confidence": confidence(rule.confidence, saving / 1e3 if known else None, hb is not None),
             "caveat": hb["caveat"] if hb else "",
             "applyable": rule.applyable,
             "how": "kprof apply --patch " + rule.id if rule.applyable else (
@@ -154,10 +153,24 @@ def suggest(run, rules: Sequence[Any] | None = None) -> pd.DataFrame:
     return plan
 
 
+NO_SAVING_MS = 0.005  # below this an estimate prints as 0.00 ms/step: nothing to be sure of
+
+
+def confidence(rule_confidence: str, saving_ms: float | None, host_bound: bool) -> str:
+    """A rule's confidence in its match, or "low" where acting on it would not pay: an unknown
+    saving, a saving that rounds to 0.00 ms/step, or a host-bound step (the GPU-time saving
+    stands, but the step won't get shorter by it)."""
+    if saving_ms is None or not saving_ms == saving_ms or saving_ms < NO_SAVING_MS or host_bound:
+        return "low"
+    return rule_confidence
+
+
 def _by_saving(df: pd.DataFrame) -> pd.DataFrame:
-    """Known savings first, largest first; then unknown savings by measured time (stable)."""
-    return df.assign(_k=df["saving ms/step"].isna()).sort_values(
-        ["_k", "saving ms/step", "ms/step"], ascending=[True, False, False], kind="stable").drop(columns="_k")
+    """Known savings first, largest first; then unknown savings by measured time; ties by id,
+    so the order does not depend on the order the rules and diagnoses were tried in."""
+    return df.assign(_k=df["saving ms/step"].isna(), _id=df["id"].astype(str)).sort_values(
+        ["_k", "saving ms/step", "ms/step", "_id"], ascending=[True, False, False, True],
+        kind="stable").drop(columns=["_k", "_id"])
 
 
 def ranked(plan: pd.DataFrame, diagnoses: pd.DataFrame | None = None) -> pd.DataFrame:
