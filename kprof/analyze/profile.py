@@ -199,7 +199,7 @@ def build_summary(raw, a: dict | None) -> dict[str, Any]:
         "argv": list(raw.argv),
         "status": raw.status,
         "status_note": raw.message or "",
-        "warnings": list(raw.warnings),
+        "warnings": list(raw.warnings) + _timing_warnings(raw),
         "error": raw.error,
         "exit_code": raw.exit_code,
         "device": dev,
@@ -237,6 +237,12 @@ def build_summary(raw, a: dict | None) -> dict[str, Any]:
         "module_classes": dict(raw.module_classes),
         "wall_time_s": raw.wall_time_s,
     }
+
+
+def _timing_warnings(raw) -> list[str]:
+    from kprof.analyze import tables
+
+    return tables.timing_warnings(raw.step_times_ms, raw.profiled_step_times_ms)
 
 
 def _figure_basis(basis: dict, overhead_pct: float | None, raw) -> dict:

@@ -186,3 +186,14 @@ def test_every_figure_is_on_the_unprofiled_step():
     # no unprofiled steps: the profiled window, said so
     b = analysis.idle_basis(idle, plain_ms=None)
     assert b["step (us)"] == 10000.0 and b["busy %"] == 40.0 and b["basis"] == "profiled step"
+
+
+@pytest.mark.parametrize("unprofiled, profiled, flagged", [
+    ([10.0, 10.5, 9.8, 10.2, 10.1], [17.0, 16.5, 17.2, 16.9, 17.1], []),  # +70%: a profiler's usual cost
+    ([10.0, 10.5, 9.8, 10.2, 10.1], [958.0, 950.0, 960.0, 955.0, 962.0], ["profiled steps took +9"]),
+    ([10.0, 60.0, 9.0, 70.0, 11.0], [12.0, 70.0, 11.0, 80.0, 13.0], ["vary more than their median"]),
+])
+def test_nonsense_timings_are_flagged(unprofiled, profiled, flagged):
+    got = analysis.timing_warnings(unprofiled, profiled)
+    assert len(got) == len(flagged) and all(f in g for f, g in zip(flagged, got))
+    assert all("profile again" in g for g in got)  # what to do about it
