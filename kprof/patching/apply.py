@@ -487,7 +487,8 @@ def apply(
         failed = [r for rep in reports for r in rep.records if r.status == "reverted"]
         if not (strict and failed):
             return None
-        return KprofError("--strict: " + "; ".join(f"{r.rule} at {r.path or '<model>'} failed verification: "
+        return KprofError("--strict: " + "; ".join(f"{r.rule} at {r.path or '<model>'} failed verification"
+                                                   f"{' (' + r.note + ')' if r.note else ''}: "
                                                    f"{r.verification.summary()}" for r in failed)
                           + "; run without --strict to keep the original code for these and go on",
                           exit_code=PATCH_FAILED)

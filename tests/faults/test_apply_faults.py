@@ -52,6 +52,22 @@ BAD_RULE = textwrap.dedent("""\
     """)
 
 
+# Right except at one input shape: a batch of 5 rows (the script's every 4th step).
+SHAPE_BUG_RULE = textwrap.dedent("""\
+    import dataclasses
+    import torch.nn.functional as F
+    from kprof.rules.layer_norm import RULE as LN
+
+    def replace(m, p):
+        def forward(x):
+            y = F.layer_norm(x, m.normalized_shape, m.weight, m.bias, m.eps)
+            return y * 1.5 if x.shape[0] == 5 else y
+        return {"": forward}
+
+    RULE = dataclasses.replace(LN, id="shape_bug", replace=replace)
+    """)
+
+
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory) -> Path:
     """A profiled run of SCRIPT (no plan.json yet), copied afresh by each test."""
@@ -178,3 +194,20 @@ def test_strict_wrong_kernel(work):
     # without --strict the wrong patch is reverted and the run goes on
     res = _apply(work, "--rules", rules, "--patch", "bad_layer_norm", "--steps", "14")
     assert res.code == 0 and "failed verification" in " ".join(res.out.split())
+
+
+def test_kernel_wrong_for_one_shape(work):
+    # The first calls (batch 8) verify; the batch of 5 at every 4th step is verified again as a
+    # new shape and fails: reverted and reported, and fatal under --strict.
+    (work / "train.py").write_text(SCRIPT.replace("torch.randn(8, 8)", "torch.randn(5 if i % 4 == 3 else 8, 8)"))
+    rules = work / "rules"
+    rules.mkdir()
+    (rules / "bug.py").write_text(SHAPE_BUG_RULE)
+    res = _apply(work, "--rules", rules, "--patch", "shape_bug", "--strict", "--steps", "14")
+    check(res, "kernel_wrong_for_one_shape")
+    assert "[5, 16]" in res.err  # the shape it failed at
+    res = _apply(work, "--rules", rules, "--patch", "shape_bug", "--steps", "14", "--json")
+    assert res.code == 0
+    doc = json.loads(res.out)
+    (rec,) = doc["records"]["ablation"]
+    assert rec["status"] == "reverted" and doc["kept"] == []
