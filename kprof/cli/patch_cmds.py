@@ -131,7 +131,15 @@ def render_apply(res, out: Console | None = None) -> None:
     out.print(fit([Col("step", **num), Col("before", **num), Col("after", **num), Col("rel diff", **num)],
                   [[str(r["step"]), f"{r['before']:.6f}", f"{r['after']:.6f}", f"{r['rel diff']:.2e}"]
                    for r in res.losses.to_dict("records")], w, title="first losses"))
-    if res.losses_agree is True:
+    w = res.watch
+    if w is not None and w["diverged"]:
+        out.print(f"[red]loss diverged at step {w['step']}: {w['after']:.6g} patched vs {w['before']:.6g} unpatched, "
+                  f"|diff| {w['delta']:.2e} > {w['k']:g} x the unpatched runs' spread or the dtype's tolerance "
+                  f"({w['limit']:.2e})[/red]")
+    elif w is not None:
+        out.print(f"[green]losses agree over all {w['steps']} steps: |diff| at most {w['max_delta']:.2e}, within "
+                  f"{w['k']:g} x the spread of two unpatched runs ({w['spread']:.2e}) or the dtype's tolerance[/green]")
+    elif res.losses_agree is True:
         out.print(f"[green]first loss agrees within the patched dtype's tolerance (rtol {res.loss_tolerance:g})[/green]")
     elif res.losses_agree is False:
         out.print(f"[red]first loss differs beyond the tolerance (rtol {res.loss_tolerance:g}): is the script "
@@ -380,6 +388,12 @@ def apply_cmd(
                                           "write_lines": res.write_lines}, indent=1, allow_nan=False))
     else:
         render_apply(res)
+    if res.watch is not None and res.watch["diverged"]:
+        from kprof.errors import PATCH_FAILED
+
+        raise KprofError(f"the patched run's loss diverged from the unpatched one at step {res.watch['step']} "
+                         f"(kept: {', '.join(res.kept)}); nothing was written: leave these patches out, and report "
+                         f"it with runs {res.before.name} and {res.after.name}", exit_code=PATCH_FAILED)
     if write is not None and not res.kept:
         (err_console if json_out else console).print(
             f"--write: no patch was kept, so nothing was written to {write} (--keep-losers writes them all)")

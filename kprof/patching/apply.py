@@ -64,6 +64,7 @@ class ApplyResult:
     recommendation: str = ""
     prefer: str = "time"
     batch_headroom: float | None = None  # x larger batch in the same memory (prefer memory)
+    watch: dict | None = None  # the loss watch over every step (loss_watch), None if it did not run
 
     @property
     def before_ms(self) -> float:
@@ -103,7 +104,7 @@ class ApplyResult:
                     "verdict": a.total.verdict}},
             "ablation_declined": self.declined,
             "steps": _recs(self.steps), "losses": _recs(self.losses), "losses_agree": self.losses_agree,
-            "loss_tolerance": self.loss_tolerance,
+            "loss_tolerance": self.loss_tolerance, "loss_watch": self.watch,
             "records": {"ablation": [rec(r) for r in recs],
                         "after": [rec(r) for rep in self.reports for r in rep.records]},
             "notes": self.notes,
@@ -226,6 +227,36 @@ def write_keep_file(path: Path, text: str) -> Path | None:
         Path(tmp).unlink(missing_ok=True)
         raise
     return bak
+
+
+K_DIVERGENCE = 10.0  # a patched loss further from the plan's than 10x the unpatched runs' spread diverged
+
+
+def loss_watch(before: Sequence[float], control: Sequence[float], after: Sequence[float],
+               tol=None) -> dict:
+    """Every step's loss of the patched run (`after`) against the plan's unpatched run
+    (`before`), under the same seed and data. `control` is a second unpatched run: the
+    spread |before - control| up to each step is what two runs of the same code differ by.
+    Step i diverged when |after - before| > K_DIVERGENCE x max(that spread, one tolerance of the
+    patched dtype at the loss: atol + rtol |loss|, the floor where unpatched runs agree bit for
+    bit)."""
+    n = min(len(before), len(control), len(after))
+    atol, rtol = (tol.atol, tol.rtol) if tol is not None else (1e-5, 2e-5)
+    spread = worst = 0.0
+    checked = 0
+    for i in range(n):
+        b, c, a = float(before[i]), float(control[i]), float(after[i])
+        if not all(math.isfinite(x) for x in (b, c)):
+            continue
+        spread = max(spread, abs(b - c))
+        limit = K_DIVERGENCE * max(spread, atol + rtol * abs(b))
+        d = abs(a - b) if math.isfinite(a) else math.inf
+        checked += 1
+        if d > limit:
+            return {"diverged": True, "step": i, "delta": d, "limit": limit, "spread": spread, "steps": n,
+                    "k": K_DIVERGENCE, "before": b, "after": a}
+        worst = max(worst, d)
+    return {"diverged": False, "steps": checked, "max_delta": worst, "spread": spread, "k": K_DIVERGENCE}
 
 
 def write_lines(ids: Sequence[str], strict: bool) -> str:
@@ -588,11 +619,29 @@ def apply(
     notes += [f"{rule} ({n} module{'s' if n > 1 else ''}): {note}" for (rule, note), n in by_note.items()]
 
     losses, agree, tol = compare_losses(before, after, reports)
+    watch = None
+    if kept and before.summary.get("losses") and after.summary.get("losses"):
+        # A second unpatched run, like the plan's: how far two runs of the unpatched script drift.
+        with tempfile.TemporaryDirectory(prefix="kprof-control-") as td:
+            control = run_script(script, list(argv), RunConfig(warmup=warmup, steps=int(before.summary.get("steps") or 5),
+                                                               record_shapes=False, trace_dir=td), progress=progress)
+        if control.status in ("error", "interrupted") or not control.losses:
+            notes.append("the unpatched control run for the loss watch did not finish, so the losses were "
+                         "compared with the dtype's tolerance only")
+        from kprof.kernels.common import TOLERANCE
+        from kprof.patching.verify import COARSENESS
+
+        dts = [r.verification.dtype for r in recs if r.verification is not None]
+        dt = max(dts, key=COARSENESS.__getitem__) if dts else None
+        ctl = control.losses if control.losses else before.summary["losses"]
+        watch = loss_watch(before.summary["losses"], ctl, after.summary["losses"], TOLERANCE.get(dt))
     res = ApplyResult(before, after, ids, reports, compare(before, after),
                       suggestions_frame(plan, ids, abl.reports, result_ablation, kept, abl.declined),
                       losses, agree, tol, write_lines(kept, strict) if kept else "", notes,
                       ablation=result_ablation, declined=abl.declined, ablation_reports=abl.reports, kept=kept,
-                      not_installed=_not_installed(ids, abl.reports), prefer=prefer)
+                      not_installed=_not_installed(ids, abl.reports), prefer=prefer, watch=watch)
+    if watch is not None and watch["diverged"]:
+        res.write_lines = ""  # nothing that diverged is offered for keeping
     b, a = res.before_ms, res.after_ms
     p90 = ((before.summary.get("step_time_ms") or {}).get("p90"))
     if kept and p90 is not None and a == a and a > p90:
@@ -605,6 +654,9 @@ def apply(
         if pb and pa and "max_memory_allocated" in str(after.summary.get("peak_memory_kind")):
             res.batch_headroom = ab.batch_headroom(float(pb), float(pa), statistics.median(abl.static))
     res.recommendation = recommend(res, plan, script, root)
+    if watch is not None and watch["diverged"]:
+        res.recommendation = (f"leave the model as it is: with {', '.join(kept)} the loss diverged from the unpatched "
+                              f"run's at step {watch['step']} (a kernel wrong after its verified calls)")
     _save(res)
     return res
 

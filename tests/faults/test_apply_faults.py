@@ -68,6 +68,25 @@ SHAPE_BUG_RULE = textwrap.dedent("""\
     """)
 
 
+# Right at its first two calls (the first-call verification passes), wrong from the third on.
+LATE_BUG_RULE = textwrap.dedent("""\
+    import dataclasses
+    import torch.nn.functional as F
+    from kprof.rules.layer_norm import RULE as LN
+
+    def replace(m, p):
+        calls = [0]
+
+        def forward(x):
+            calls[0] += 1
+            y = F.layer_norm(x, m.normalized_shape, m.weight, m.bias, m.eps)
+            return y if calls[0] < 3 else y * 1.5
+        return {"": forward}
+
+    RULE = dataclasses.replace(LN, id="late_bug", replace=replace)
+    """)
+
+
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory) -> Path:
     """A profiled run of SCRIPT (no plan.json yet), copied afresh by each test."""
@@ -211,3 +230,26 @@ def test_kernel_wrong_for_one_shape(work):
     doc = json.loads(res.out)
     (rec,) = doc["records"]["ablation"]
     assert rec["status"] == "reverted" and doc["kept"] == []
+
+
+def test_kernel_wrong_from_its_third_call(work):
+    # Verified at its first call, kept (--keep-losers), then wrong: the loss watch compares every
+    # step's loss with the unpatched run's and calls it diverged; nothing is written.
+    rules = work / "rules"
+    rules.mkdir()
+    (rules / "bug.py").write_text(LATE_BUG_RULE)
+    res = _apply(work, "--rules", rules, "--patch", "late_bug", "--keep-losers", "--steps", "14",
+                 "--write", work / "keep.py")
+    check(res, "kernel_wrong_from_third_call")
+    assert "loss diverged at step" in " ".join(res.out.split()) and not (work / "keep.py").exists()
+    after = store.load_run(None, work / "runs")
+    doc = json.loads((after.path / store.APPLY).read_text())
+    assert doc["loss_watch"]["diverged"] is True and doc["loss_watch"]["k"] == 10
+
+
+def test_loss_watch_passes_a_correct_patch(work):
+    # The built-in layer_norm, kept: every step's loss within 10x the unpatched runs' spread
+    res = _apply(work, "--patch", "layer_norm", "--keep-losers", "--steps", "14", "--json")
+    assert res.code == 0, res.err
+    w = json.loads(res.out)["loss_watch"]
+    assert w["diverged"] is False and w["steps"] >= 6
