@@ -44,6 +44,7 @@ def profile_script(
     on_root_module: Callable | None = None,
     shapes_every_step: bool = False,
     summary_extra: dict | None = None,
+    detect_syncs: bool = True,
 ) -> Run:
     """Profile `script` and save the run under `out_root`; returns the saved Run.
 
@@ -56,6 +57,8 @@ def profile_script(
     on every recorded step instead (ops whose shapes vary from step to step: MoE dispatch, packed
     sequences), at the cost of profiler overhead on the timed ops. `summary_extra` is merged into
     summary.json (kprof apply marks its patched run with it, partial runs included).
+    `detect_syncs` False runs without the host-sync detector (a torch function mode, see
+    kprof.capture.runner.RunConfig): the run then reports no host syncs.
     """
     from kprof.capture.runner import RunConfig, run_script
 
@@ -65,7 +68,8 @@ def profile_script(
 
     with tempfile.TemporaryDirectory(prefix="kprof-trace-") as trace_dir:
         cfg = RunConfig(warmup=warmup, steps=steps, run_to_end=run_to_end, step_mode=step_mode,
-                        trace_dir=trace_dir, on_root_module=on_root_module, shapes_every_step=shapes_every_step)
+                        trace_dir=trace_dir, on_root_module=on_root_module, shapes_every_step=shapes_every_step,
+                        detect_syncs=detect_syncs)
         # Raises KprofError (exit code 2) for a missing script or bad --steps/--warmup/--step.
         raw = run_script(script, list(argv or []), cfg, progress=progress)
 

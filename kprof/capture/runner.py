@@ -110,6 +110,9 @@ class RunConfig:
     # Called once per root module at its first call, before its forward (kprof apply patches here).
     on_root_module: Callable[[nn.Module], None] | None = None
     trace_dir: str | None = None
+    # The host-sync detector is a torch function mode: kprof apply --compare's compile variants
+    # run without it, so that torch.compile traces what the user's own compile would.
+    detect_syncs: bool = True
     # Called at each timed step's start with its index i (0..steps-1) and with i == steps when the
     # timed steps end, after the step's time mark (kprof apply's ablation switches patches here).
     # A true return stops the script there: no profiler phase, step_times_ms holds the i steps.
@@ -997,6 +1000,8 @@ class _Session:
             self.sync_steps = 1 + self.cfg.steps
 
     def _start_sync_detector(self) -> None:
+        if not self.cfg.detect_syncs:
+            return
         stack_len = torch._C._len_torch_function_stack()
         if stack_len == 0:
             # Restarted for the shapes step: the same detector, so its counts cover every watched step.
@@ -1257,6 +1262,8 @@ class _Session:
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             self.peak = rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB on Linux
         message = self.stop_message
+        if not self.cfg.detect_syncs:
+            self.warnings.append("host syncs were not watched in this run (run without kprof's sync detector)")
         if status == "completed" and self.steps_recorded < self.cfg.steps:
             message = (
                 f"the script ended after {self.steps_recorded} of {self.cfg.steps} recorded steps "
