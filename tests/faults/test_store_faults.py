@@ -108,6 +108,7 @@ def test_summary_faults(runs, name, damage):
     # `kprof runs` lists the good run and marks the bad one
     res = kprof("runs", "--out", runs)
     assert res.code == 0 and good.name in res.out and "unreadable" in res.out
+    assert all(len(line) <= 80 for line in res.out.splitlines())
     # the default run of suggest and apply skips it
     res = kprof("suggest", "--out", runs)
     assert res.code == 0 and good.name in flat(res.out)
