@@ -20,6 +20,7 @@ error; with `strict=True` the failure raises KprofError instead. Until its first
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -114,6 +115,7 @@ class _Unit:
         inner = next((fn for o, a, fn in self.overrides if (o, a) == self.entry), None)
         inner = inner or self._original_entry()  # children overrides only: installed around it
 
+        @functools.wraps(inner)  # what the patched forward carries (a traced rewrite's graph_module)
         def watched(*a, **kw):
             if self.busy or self.watched is None or torch.compiler.is_compiling():
                 return inner(*a, **kw)

@@ -141,9 +141,14 @@ def kprof(*args, env: dict | None = None) -> Result:
 
 def kprof_process(*args, cwd: Path) -> subprocess.Popen:
     """`python -m kprof ARGS` as a child process (for real signals), output to files in cwd."""
+    return child([sys.executable, "-m", "kprof", *map(str, args)], cwd)
+
+
+def child(cmd: list[str], cwd: Path) -> subprocess.Popen:
+    """`cmd` as a child process in `cwd`, its stdout and stderr to files there."""
     env = dict(os.environ, COLUMNS="80", PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "kprof", *map(str, args)], cwd=cwd, env=env,
-                            stdout=open(cwd / "stdout.txt", "wb"), stderr=open(cwd / "stderr.txt", "wb"))
+    with open(cwd / "stdout.txt", "wb") as out, open(cwd / "stderr.txt", "wb") as err:
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err)  # the child keeps its copies
 
 
 # ------------------------------------------------------------------------------------------

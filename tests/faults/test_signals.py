@@ -5,7 +5,6 @@ own PID), so nothing here depends on timing (tests/faults/faultkit.py)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from faultkit import REPO, Result, check, digest, kprof_process, runs_intact, script
+from faultkit import REPO, Result, check, child, digest, kprof_process, runs_intact, script
 from kprof import store
 
 FAST = ["--warmup", "1", "--steps", "2"]
@@ -89,8 +88,7 @@ def test_ctrl_c_while_trace_written(tmp_path):
         main(sys.argv[1:])
         """))
     cmd = [sys.executable, str(runner), "profile", str(s), *FAST, "--out", str(tmp_path / "runs")]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=open(tmp_path / "stdout.txt", "wb"),
-                            stderr=open(tmp_path / "stderr.txt", "wb"), env=dict(os.environ, COLUMNS="80"))
+    proc = child(cmd, tmp_path)
     res = _result(proc, tmp_path)
     check(res, "ctrl_c_while_trace_written")
     (run,) = runs_intact(tmp_path / "runs")
