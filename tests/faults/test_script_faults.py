@@ -94,10 +94,15 @@ def test_no_backward_hint_names_step_forward(tmp_path):
 
 
 def test_markup_in_output(tmp_path):
-    body = 'print("[/train] [bold]x\\x1b[31m red \\x07", i)  # [/train] in the source too\n'
+    # in the script's output, and in its source line, which the host-sync table and suggest quote
+    body = 'print("[/train] [bold]x\\x1b[31m red \\x07", loss.item())  # [/train] [red]\n'
     res, runs = _profile(tmp_path, body)
     check(res, "markup_in_output")
     assert "[/train] [bold]x" in res.out and len(runs) == 1
+    assert flat("# [/train] [red]") in flat(res.out)
+    res = kprof("suggest", "--out", tmp_path / "runs")
+    check(res, "markup_in_output")
+    assert flat("[/train] [red]") in flat(res.out)
 
 
 def test_non_utf8_output(tmp_path):
