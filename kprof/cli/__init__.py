@@ -190,7 +190,9 @@ def runs(
         except KprofError as e:  # one broken run must not hide the others
             recs.append(dict(run=p.name, path=str(p), status="unreadable", error=str(e)))
             continue
-        recs.append(dict(run=p.name, path=str(p), status=s.get("status", "?"),
+        # A patched run of kprof apply (partial ones too) says so: it is not a plain profile.
+        status = s.get("status", "?") + (" (apply)" if s.get("apply_of") is not None else "")
+        recs.append(dict(run=p.name, path=str(p), status=status,
                          device=(s.get("device") or {}).get("name", "?"), step=s.get("step_definition") or "?",
                          step_time_ms=(s.get("step_time_ms") or {}).get("median"),
                          steps=s.get("steps_recorded")))

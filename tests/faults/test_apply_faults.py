@@ -194,6 +194,8 @@ def test_apply_raises_in_after_run(work):
     assert store.latest_plain_run(work / "runs").name == runs[0].name
     sug = kprof("suggest", "--out", work / "runs")
     assert sug.code == 0 and runs[0].name in sug.out.replace("\n", "")
+    listed = kprof("runs", "--out", work / "runs")
+    assert listed.code == 0 and "error (apply)" in listed.out  # marked in the listing too
 
 
 def test_apply_ctrl_c(work):
