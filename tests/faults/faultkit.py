@@ -70,6 +70,7 @@ unknown_patch_id | apply --patch with an id not in the plan | not in the plan of
 apply_raises_in_ablation | the script raises during apply's ablation run | during kprof apply's ablation run | 1
 apply_raises_in_after_run | the script raises during apply's after run | during kprof apply's after run | 1
 apply_ctrl_c | Ctrl-C during apply's ablation run | interrupted during kprof apply's ablation run | 130
+apply_ctrl_c_in_after_run | Ctrl-C during apply's after run (the kept patches, profiled) | is kept, marked interrupted and as apply's | 130
 strict_wrong_kernel | a patch whose kernel is wrong, under --strict | --strict: | 3
 kernel_wrong_from_third_call | a kernel right at its first calls (verified), wrong from its 3rd, kept | loss diverged from the unpatched one | 3
 kernel_wrong_for_one_shape | a kernel right at the first call's shape, wrong at one other, under --strict | wrong at a new input shape | 3

@@ -205,6 +205,15 @@ def test_apply_ctrl_c(work):
     assert len(runs_intact(work / "runs")) == n
 
 
+def test_apply_ctrl_c_in_after_run(work):
+    res = _apply(work, "--steps", "14", "--keep-losers", "--", "2", "5", "interrupt")
+    check(res, "apply_ctrl_c_in_after_run")
+    runs = runs_intact(work / "runs")
+    partial = store.load_summary(runs[-1])
+    assert partial["status"] == "interrupted" and partial["apply_of"]["run"] == runs[0].name
+    assert store.latest_plain_run(work / "runs").name == runs[0].name
+
+
 def test_strict_wrong_kernel(work):
     rules = work / "rules"
     rules.mkdir()
