@@ -350,3 +350,11 @@ def test_confidence_is_low_where_acting_would_not_pay(saving, host_bound, want):
     from kprof.plan.suggest import confidence
 
     assert confidence("high", saving, host_bound) == want
+
+
+def test_saving_is_never_more_than_the_unprofiled_step():
+    from kprof.plan.suggest import capped_saving_us
+
+    assert capped_saving_us(424e3, 180.0) == 180e3  # issue 22: 424 ms "saved" on a 180 ms step
+    assert capped_saving_us(50e3, 180.0) == 50e3 and capped_saving_us(-3.0, 180.0) == 0.0
+    assert capped_saving_us(50e3, math.nan) == 50e3  # no unprofiled step to cap by
