@@ -69,9 +69,12 @@ def get(name: str) -> KernelSpec:
 
 
 def op_cost(op_name: str, metas: Sequence[TensorMeta]) -> Cost | None:
-    """Cost of a kprof custom op from its input metas, or None if no spec knows the op."""
+    """Cost of a kprof custom op from its input metas, or None if no spec knows the op or the
+    metas are missing (a run cut short before its shapes step records ops without shapes)."""
     for spec in REGISTRY.values():
         f = spec.op_costs.get(op_name)
         if f is not None:
+            if not metas:
+                return None
             return f(metas)
     return None

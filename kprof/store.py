@@ -157,7 +157,10 @@ def _save_atomic(summary: dict, fill, root, name: str | None) -> Path:
     renamed to a free name; removed again on any failure."""
     root = ensure_root(root)
     base = name or run_dir_name(summary.get("script", "script"), _dt.datetime.now())
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{base}-", dir=root))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{base}-", dir=root))
+    except OSError as e:
+        raise KprofError(f"cannot save the run in {root}: {e.strerror or e}; free space or pass --out DIR") from e
     try:
         summary = dict(summary)
         summary.setdefault("format", FORMAT)
@@ -165,12 +168,15 @@ def _save_atomic(summary: dict, fill, root, name: str | None) -> Path:
         with open(tmp / SUMMARY, "w") as f:
             json.dump(jsonable(summary), f, indent=1, allow_nan=False)
         return rename_free(tmp, root, base)
+    except OSError as e:  # a full disk, a store made read-only meanwhile: one line, not a traceback
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise KprofError(f"cannot save the run in {root}: {e.strerror or e}; free space or pass --out DIR") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def ensure_root(root: str | os.PathLike, *, exit_code: int = 1) -> Path:
+def ensure_root(root: str | os.PathLike, *, exit_code: int = 2) -> Path:
     """Create the run store directory if needed; a KprofError if it can't be (checked before a
     long profile so a bad --out fails at once, exit code 2 there)."""
     root = Path(root)
@@ -179,6 +185,8 @@ def ensure_root(root: str | os.PathLike, *, exit_code: int = 1) -> Path:
     except OSError as e:
         raise KprofError(f"cannot create the run store {root}: {e.strerror or e}; pass --out DIR to save elsewhere",
                          exit_code=exit_code) from e
+    if not root.is_dir():
+        raise KprofError(f"the run store {root} is not a folder; pass --out DIR to save elsewhere", exit_code=exit_code)
     if not os.access(root, os.W_OK):
         raise KprofError(f"the run store {root} is not writable; pass --out DIR to save elsewhere", exit_code=exit_code)
     return root
@@ -300,9 +308,54 @@ def load_summary(run: str | os.PathLike) -> dict:
         raise KprofError(f"{path} is corrupt ({e}); profile the script again") from e
     if not isinstance(summary, dict) or "script" not in summary:
         raise KprofError(f"{path} is not a kprof run summary (no 'script' field); profile the script again")
+    bad = _wrong_types(summary)
+    if bad:
+        raise KprofError(f"{path} is corrupt ({bad}); profile the script again or delete {Path(run).name}")
     if summary.get("format", FORMAT) > FORMAT:
         raise KprofError(f"{path} was written by a newer kprof (format {summary['format']}); upgrade kprof")
     return summary
+
+
+# The fields of summary.json that the commands read, with the JSON types they may hold (None
+# where a field may be null). A run whose fields have other types is refused as corrupt at load,
+# so no command meets a str where it reads a dict.
+_NUM = (int, float)
+_FIELDS: dict[str, tuple] = {
+    "script": (str,), "status": (str,), "format": (int,), "argv": (list,), "device": (dict, None),
+    "ceilings": (dict, None), "step_definition": (str, None), "warmup": (int, None), "steps": (int, None),
+    "steps_recorded": (int, None), "step_times_ms": (list, None), "profiled_step_times_ms": (list, None),
+    "step_time_ms": (dict, None), "profiled_step_time_ms": (dict, None), "tokens_per_step": (*_NUM, None),
+    "tokens_per_s": (*_NUM, None), "peak_memory_bytes": (*_NUM, None), "busy_pct": (*_NUM, None),
+    "coverage_pct": (*_NUM, None), "profiler_overhead_pct": (*_NUM, None), "class_breakdown": (list, None),
+    "top_ops": (list, None), "syncs": (list, None), "losses": (list, None), "module_classes": (dict, None),
+    "warnings": (list, None), "error": (str, None), "exit_code": (int, None), "status_note": (str, None),
+    "analysis_error": (str, None), "apply_of": (dict, None),
+}
+_JSON_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number",
+               bool: "a boolean", type(None): "null"}
+
+
+def _wrong_types(summary: dict) -> str:
+    """'field X is a string, not an object' for the first field of the wrong type, else ''."""
+    def ok(v, types) -> bool:
+        if v is None:
+            return None in types
+        if isinstance(v, bool):
+            return bool in types
+        return isinstance(v, tuple(t for t in types if t is not None))
+
+    for key, types in _FIELDS.items():
+        if key in summary and not ok(summary[key], types):
+            want = " or ".join(_JSON_NAMES[t if t is not None else type(None)] for t in types)
+            return f"field {key!r} is {_JSON_NAMES.get(type(summary[key]), type(summary[key]).__name__)}, not {want}"
+    for key in ("step_time_ms", "profiled_step_time_ms"):
+        for k, v in (summary.get(key) or {}).items():
+            if not ok(v, (*_NUM, str, list, None)):
+                return f"field {key}.{k} is {_JSON_NAMES.get(type(v), type(v).__name__)}"
+    for key in ("top_ops", "class_breakdown", "syncs"):
+        if any(not isinstance(r, dict) for r in summary.get(key) or []):
+            return f"field {key!r} holds a non-object row"
+    return ""
 
 
 def load_ops(run: str | os.PathLike) -> pd.DataFrame:
@@ -405,12 +458,18 @@ def latest_kept(script: str, root: str | os.PathLike = DEFAULT_ROOT) -> tuple[st
 
 
 def is_plain_run(path) -> bool:
-    """A run of the script as written: not the patched run of an `apply` (apply.json) nor a
+    """A run of the script as written: not the patched run of an `apply` (apply.json, or the
+    `apply_of` mark in summary.json that even a failed apply's partial run carries) nor a
     patched or compiled variant of `apply --compare` (compare.json naming another run as eager).
     Only such a run's plan reflects the unpatched model."""
     path = Path(path)
     if (path / APPLY).exists():
         return False
+    try:
+        if json.loads((path / SUMMARY).read_text()).get("apply_of") is not None:
+            return False
+    except (OSError, ValueError, AttributeError):
+        pass  # an unreadable summary is reported when the run is loaded
     try:
         doc = json.loads((path / COMPARE).read_text())
     except (OSError, ValueError):
@@ -419,12 +478,20 @@ def is_plain_run(path) -> bool:
 
 
 def latest_plain_run(root):
-    """The latest run that is_plain_run (else the latest run): what `apply` plans from by default,
-    so that a previous apply or --compare's patched/compiled runs are not mistaken for a profile."""
-    for p in reversed(list_runs(root)):
+    """The latest readable run that is_plain_run: what `suggest` and `apply` use by default, so
+    that a previous apply's or --compare's patched/compiled runs (partial ones included) are not
+    mistaken for a profile, and one corrupt run does not hide the others."""
+    runs = list_runs(root)
+    if not runs:
+        latest_run(root)  # raises: no runs
+    errors = []
+    for p in reversed(runs):
         if is_plain_run(p):
             try:
                 return Run(path=p, summary=load_summary(p))
-            except KprofError:
-                continue
-    return load_run(None, root)
+            except KprofError as e:
+                errors.append(str(e))
+    if errors:
+        raise KprofError(f"no readable run of a script as written in {root} ({errors[0]}); profile the script again")
+    raise KprofError(f"every run in {root} is a patched or compiled run of kprof apply; profile the script as "
+                     "written first: kprof profile SCRIPT")

@@ -237,9 +237,12 @@ def _fused(hidden, weight, bias, target, ignore, reduction, smoothing, out_dtype
     with (torch.autocast(hidden.device.type, enabled=False) if ac else contextlib.nullcontext()):
         loss = kernel_fn(KERNEL)(hidden.to(dt), weight.to(dt), target, None if bias is None else bias.to(dt),
                                  ignore_index=ignore, reduction=reduction, label_smoothing=smoothing)
-    # The kernel's loss is in the input dtype (fp32 inside, rounded once), as the loss of the
-    # patches before this one was; verification judges it against an fp32 truth at that dtype.
-    return loss
+    # The kernel's loss is in the input dtype (fp32 inside, rounded once); verification judges it
+    # against an fp32 truth at that dtype. The caller gets the dtype the replaced code returned:
+    # cross-entropy on logits of `out_dtype` (fp32 where Hugging Face upcasts them), and fp32
+    # under autocast, which runs cross-entropy in fp32.
+    want = torch.float32 if ac is not None else out_dtype
+    return loss if loss.dtype == want else loss.to(want)
 
 
 def _eager(hidden, weight, bias, target, ignore, reduction, smoothing, dtype):

@@ -187,10 +187,10 @@ def test_bad_inputs(tmp_path):
     with pytest.raises(KprofError, match="has no suggestions"):
         apply(str(other), run=str(plain_run.path), out_root=root)
 
-    # the CLI turns these into a message and a non-zero exit
+    # the CLI turns these into a message and exit code 2 (bad input)
     with pytest.raises(SystemExit) as e:
         _run_main(_app(), ["apply", str(ln), "--patch", "nope", "--out", str(root)])
-    assert e.value.code == 1
+    assert e.value.code == 2
 
 
 def _run_main(app, argv):

@@ -133,7 +133,7 @@ def test_report_and_runs(capsys, tmp_path):
     assert "unreadable" in lines[2] and f"{broken / 'summary.json'} is missing" in out
 
     code, out, _ = kprof_cli(capsys, "report", "--out", root)  # latest readable? no: latest is broken
-    assert code == 1
+    assert code == 2
 
     code, out, _ = kprof_cli(capsys, "report", b.name, "--out", root)
     assert code == 0
@@ -146,13 +146,13 @@ def test_report_and_runs(capsys, tmp_path):
 
 def test_report_errors_name_the_file(capsys, tmp_path):
     code, _, err = kprof_cli(capsys, "report", tmp_path / "nope")
-    assert code == 1 and "nope not found" in err
+    assert code == 2 and "nope not found" in err
     code, _, err = kprof_cli(capsys, "report", "--out", tmp_path / "empty")
-    assert code == 1 and "no runs in" in err and "kprof profile" in err
+    assert code == 2 and "no runs in" in err and "kprof profile" in err
     run = store.save_run(SUMMARY, pd.DataFrame({"op": ["aten::mm"]}), None, root=tmp_path)
     (run / "summary.json").write_text("{")
     code, _, err = kprof_cli(capsys, "report", run)
-    assert code == 1 and str(run / "summary.json") in err.replace("\n", "") and "corrupt" in err
+    assert code == 2 and str(run / "summary.json") in err.replace("\n", "") and "corrupt" in err
 
 
 def test_usage_errors_exit_2(capsys, tmp_path):
@@ -304,7 +304,7 @@ def test_script_raising_saves_partial_run(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("body, code, status", [
-    ("if i == 4: sys.exit(3)\n", 3, "error"),  # the script's own non-zero exit code is kept
+    ("if i == 4: sys.exit(3)\n", 1, "error"),  # 1 whatever the script's own code (named in the error)
     ("if i == 4: raise KeyboardInterrupt\n", 130, "interrupted"),  # Ctrl-C: 128 + SIGINT
 ])
 def test_script_exit_and_interrupt_keep_partial_run(capsys, tmp_path, body, code, status):
@@ -357,7 +357,7 @@ def test_script_system_exit_0_is_fine(capsys, tmp_path):
 def test_script_too_short_is_a_clear_error(capsys, tmp_path):
     script = _script(tmp_path, "")
     code, _, err = kprof_cli(capsys, "profile", script, "--out", tmp_path / "runs", "--", "4")
-    assert code == 1 and "no step was recorded" in err
+    assert code == 2 and "no step was recorded" in err
 
 
 # ---------------------------------------------------------------------------------------------

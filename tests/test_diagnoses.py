@@ -170,6 +170,17 @@ def test_host_sync_on_gpu_bounded_by_idle_time():
     assert f.source == "/x/model.py:7"
 
 
+def test_host_sync_saving_never_exceeds_the_unprofiled_step():
+    # issue 22: "<= 424 ms/step" on a 180 ms step (idle measured in the slower profiled steps)
+    syncs = [{"kind": "Tensor.item", "file": "/x/train.py", "line": 40, "code": "loss.item()", "count": 2,
+              "steps": [0, 1]}]
+    idle = [{"step": 0, "idle (us)": 424e3}, {"step": 1, "idle (us)": 424e3}]
+    summary = _gpu_summary(syncs=syncs, idle_by_step=idle, step_time_ms={"median": 180.0},
+                           profiled_step_time_ms={"median": 500.0})
+    (f,) = host_sync.find(pd.DataFrame(), summary)
+    assert f.saving_ms == pytest.approx(180.0) and "whole unprofiled step" in f.saving_note
+
+
 def test_no_syncs_no_finding():
     assert host_sync.find(pd.DataFrame(), _gpu_summary()) == []
 

@@ -519,3 +519,20 @@ def test_patch_without_rules_and_without_apply_installs_every_rule(tmp_path, mon
     assert {"rms_norm", "gated_mlp"} <= {r.rule for r in report.records}
     assert "no `kprof apply` of this script" in str(report)
     report.unpatch()
+
+
+@pytest.mark.skipif(not HAS_LCE, reason="the fused linear + cross-entropy kernel is not available")
+def test_fused_loss_keeps_the_dtype_the_replaced_code_returned():
+    # A bf16 Llama: Hugging Face upcasts the logits (.float()) before its cross-entropy, so its
+    # loss is fp32; the fused loss must be too, not bf16 (issue 22: 12.1875 printed).
+    ref = _build("llama").to(torch.bfloat16)
+    model = copy.deepcopy(ref)
+    x = torch.randint(0, V, (B, T + 1))
+    want = _loss("llama", ref, x)
+    assert want.dtype == torch.float32
+    report = kprof_patch(model, rules=["linear_cross_entropy"])
+    losses = [_loss("llama", model, x) for _ in range(3)]  # a root's patch is used from its 2nd call
+    assert [r.status for r in report.records] == ["verified"], str(report)
+    assert all(loss.dtype == want.dtype for loss in losses)
+    losses[-1].backward()  # the cast keeps the graph
+    assert model.lm_head.weight.grad is not None

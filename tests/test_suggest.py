@@ -328,3 +328,33 @@ def test_one_ranking_of_suggestions_and_diagnoses():
     assert [(s["id"], s["rank"]) for s in doc["suggestions"]] == [("k_big", 2), ("k_small", 3), ("k_unknown", 4)]
     assert [(s["id"], s["rank"]) for s in doc["diagnoses"]] == [("d_unknown", 5), ("d_big", 1)]
     assert list(ranked(plan.iloc[:0])["rank"]) == []
+
+
+def test_ranking_does_not_depend_on_input_order():
+    # Equal savings (and unknown ones with equal measured time) are ordered by id, however the
+    # rules and diagnoses came in (issue 22: the order changed between identical runs).
+    from kprof.plan.suggest import ranked
+
+    nan = math.nan
+    plan = pd.DataFrame({"id": ["b", "a", "d", "c"], "saving ms/step": [1.0, 1.0, nan, nan],
+                         "ms/step": [2.0, 2.0, 3.0, 3.0], "caveat": [""] * 4})
+    orders = {tuple(ranked(plan.iloc[list(p)])["id"]) for p in ([0, 1, 2, 3], [1, 0, 3, 2], [3, 2, 1, 0])}
+    assert orders == {("a", "b", "c", "d")}
+
+
+@pytest.mark.parametrize("saving, host_bound, want", [
+    (1.0, False, "high"), (0.004, False, "low"), (0.0, False, "low"), (None, False, "low"),
+    (math.nan, False, "low"), (1.0, True, "low")])
+def test_confidence_is_low_where_acting_would_not_pay(saving, host_bound, want):
+    # a 0.00 ms/step saving is not "high" whatever the match's confidence
+    from kprof.plan.suggest import confidence
+
+    assert confidence("high", saving, host_bound) == want
+
+
+def test_saving_is_never_more_than_the_unprofiled_step():
+    from kprof.plan.suggest import capped_saving_us
+
+    assert capped_saving_us(424e3, 180.0) == 180e3  # issue 22: 424 ms "saved" on a 180 ms step
+    assert capped_saving_us(50e3, 180.0) == 50e3 and capped_saving_us(-3.0, 180.0) == 0.0
+    assert capped_saving_us(50e3, math.nan) == 50e3  # no unprofiled step to cap by

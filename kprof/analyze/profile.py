@@ -24,7 +24,7 @@ from typing import Any, Callable
 import pandas as pd
 
 from kprof import store
-from kprof.errors import KprofError
+from kprof.errors import BAD_INPUT, INTERRUPTED, SCRIPT_FAILED, KprofError
 from kprof.store import Run
 from kprof.version import __version__
 
@@ -48,6 +48,8 @@ def profile_script(
     shapes_every_step: bool = False,
     nproc_per_node: int | None = None,
     on_optimizer: Callable | None = None,
+    summary_extra: dict | None = None,
+    detect_syncs: bool = True,
 ) -> Run:
     """Profile `script` and save the run under `out_root`; returns the saved Run.
 
@@ -64,6 +66,11 @@ def profile_script(
     profiling itself; returns the merged run (rank 0's tables at the top, every rank's run
     under ranks/, summary["distributed"] with the per-rank view). Run under the user's own
     torchrun (RANK and WORLD_SIZE set), the same happens without it.
+
+    `summary_extra` is merged into summary.json (kprof apply marks its patched run with it,
+    partial runs included).
+    `detect_syncs` False runs without the host-sync detector (a torch function mode, see
+    kprof.capture.runner.RunConfig): the run then reports no host syncs.
     """
     from kprof.capture.runner import RunConfig, run_script
 
@@ -72,31 +79,51 @@ def profile_script(
                             run_to_end=run_to_end, step_mode=step_mode, out_root=out_root)
 
     notify = progress or (lambda event, **info: None)
+    extra = dict(summary_extra or {})
     store.ensure_root(out_root, exit_code=2)  # a bad --out fails now, not after the whole run
 
     with tempfile.TemporaryDirectory(prefix="kprof-trace-") as trace_dir:
         cfg = RunConfig(warmup=warmup, steps=steps, run_to_end=run_to_end, step_mode=step_mode,
                         trace_dir=trace_dir, on_root_module=on_root_module, shapes_every_step=shapes_every_step,
-                        on_optimizer=on_optimizer)
+                        on_optimizer=on_optimizer, detect_syncs=detect_syncs)
         # Raises KprofError (exit code 2) for a missing script or bad --steps/--warmup/--step.
         raw = run_script(script, list(argv or []), cfg, progress=progress)
 
         if not raw.steps_recorded or not raw.trace_path:
-            code = 130 if raw.status == "interrupted" else (raw.exit_code or 1)  # 130: 128 + SIGINT
-            raise KprofError(_nothing_recorded(raw), exit_code=code)
+            # A script that never stepped did not fail: kprof could not profile it (bad input).
+            code = {"interrupted": INTERRUPTED, "error": SCRIPT_FAILED}.get(raw.status, BAD_INPUT)
+            raise KprofError(_nothing_recorded(raw), exit_code=code,
+                             detail=raw.error if raw.status == "error" else None)
 
         notify("analysis")
         try:
             ops, analysed = analyse(raw)
+        except KeyboardInterrupt:
+            # Ctrl-C (or SIGTERM) after the last recorded step: the steps are measured, so keep
+            # them, with the raw trace, marked interrupted, rather than lose the whole run.
+            summary = build_summary(raw, None) | extra | {
+                "status": "interrupted",
+                "status_note": f"interrupted during kprof's analysis; {raw.steps_recorded} recorded steps and the "
+                               "raw trace are kept, without the op table: profile again for the analysis"}
+            path = store.save_run(summary, pd.DataFrame(), raw.trace_path, root=out_root)
+            raise KprofError(f"interrupted during kprof's analysis; the measurements and raw trace are saved in "
+                             f"{path}, marked interrupted; profile again for the analysis",
+                             exit_code=INTERRUPTED) from None
+        except KprofError as e:
+            # The trace itself is bad (truncated, not JSON): the user's environment, not a kprof bug.
+            summary = build_summary(raw, None) | extra | {"analysis_error": str(e)}
+            path = store.save_run(summary, pd.DataFrame(), None, root=out_root)
+            raise KprofError(f"{e} (the run's measurements are saved in {path})", exit_code=e.exit_code) from None
         except Exception:
             # A bug in kprof's analysis must not cost the user the run: keep what the runner
             # measured and the raw trace, then fail loudly.
             tb = traceback.format_exc()
-            summary = build_summary(raw, None) | {"analysis_error": tb}
+            summary = build_summary(raw, None) | extra | {"analysis_error": tb}
             path = store.save_run(summary, pd.DataFrame(), raw.trace_path, root=out_root)
             raise KprofError(f"kprof's trace analysis failed; this is a kprof bug, please report it with the "
-                             f"trace. The run's measurements and raw trace are saved in {path}.\n{tb.rstrip()}") from None
-        summary = build_summary(raw, analysed) | {"memory": _memory(raw)}
+                             f"trace. The run's measurements and raw trace are saved in {path}",
+                             exit_code=SCRIPT_FAILED, detail=tb) from None
+        summary = build_summary(raw, analysed) | {"memory": _memory(raw)} | extra
         notify("save")
         rank = rank_env()
         if rank is not None:
@@ -197,9 +224,11 @@ def load_run(path: str | os.PathLike | None = None, root: str | os.PathLike = st
 
 
 def _nothing_recorded(raw) -> str:
+    name = os.path.basename(raw.script)
     if raw.status == "error":
-        return (f"{raw.script} raised before any step was recorded, so there is nothing to profile:\n"
-                f"{(raw.error or '').rstrip()}")
+        why = (raw.error or "").strip().splitlines()[-1:] or ["?"]
+        return (f"{name} failed (exit code {raw.exit_code}) before any step was recorded, so nothing was saved: "
+                f"{why[0]}; fix the script (its traceback is above) and profile again")
     if raw.status == "interrupted":
         return "interrupted before any step was recorded; nothing was saved"
     return f"no step was recorded, so nothing was saved: {raw.message or raw.status}"
@@ -294,7 +323,7 @@ def build_summary(raw, a: dict | None) -> dict[str, Any]:
         "argv": list(raw.argv),
         "status": raw.status,
         "status_note": raw.message or "",
-        "warnings": list(raw.warnings),
+        "warnings": list(raw.warnings) + _timing_warnings(raw),
         "error": raw.error,
         "exit_code": raw.exit_code,
         "device": dev,
@@ -369,6 +398,12 @@ def _compile_without_analysis(raw) -> dict | None:
 
     msgs = getattr(raw, "compile_events", None)
     return compiled.compile_events(msgs) if msgs else None
+
+
+def _timing_warnings(raw) -> list[str]:
+    from kprof.analyze import tables
+
+    return tables.timing_warnings(raw.step_times_ms, raw.profiled_step_times_ms)
 
 
 def _figure_basis(basis: dict, overhead_pct: float | None, raw) -> dict:

@@ -122,7 +122,9 @@ def _launches(ops: pd.DataFrame) -> np.ndarray:
 def _is_comm(ops: pd.DataFrame) -> np.ndarray:
     op = ops["op"].astype(str)
     kernel = ops["kernel"].astype(str) if "kernel" in ops else pd.Series("", index=ops.index)
-    return (op.str.contains(_COMM_RE) | kernel.str.contains("nccl", case=False)).to_numpy()
+    # aten has no collectives: its broadcast_tensors, say, is shape arithmetic, not communication
+    named = op.str.contains(_COMM_RE) & ~op.str.startswith("aten::")
+    return (named | kernel.str.contains("nccl", case=False)).to_numpy()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -383,6 +385,30 @@ def overhead(profiled: Sequence[float], unprofiled: Sequence[float]) -> float | 
     if p is None or not u:
         return None
     return p / u - 1.0
+
+
+# A step whose p90 - p10 exceeds its median, or profiled steps more than 4x (or under half) the
+# unprofiled ones, is not the profiler's cost or the script's own variation (the CPU example runs
+# at +70% and a spread of half its median on a shared 2-core VM): something else took the machine.
+NOISY_SPREAD = 1.0
+NONSENSE_OVERHEAD = (-0.5, 3.0)
+
+
+def timing_warnings(unprofiled: Sequence[float], profiled: Sequence[float]) -> list[str]:
+    """Warnings for step times too noisy or too far apart to mean anything (a co-tenant's load
+    once gave +9483% overhead with no word of doubt)."""
+    out = []
+    st = step_stats(unprofiled)
+    if st["median"] and st["spread"] is not None and st["spread"] > NOISY_SPREAD * st["median"]:
+        out.append(f"the unprofiled step times vary more than their median ({st['min']:.3g} to {st['max']:.3g} ms, "
+                   f"median {st['median']:.3g}): another process is probably using this machine, so the step "
+                   "figures are unreliable; profile again on a quiet machine, or with more --steps")
+    ov = overhead(profiled, unprofiled)
+    if ov is not None and not NONSENSE_OVERHEAD[0] <= ov <= NONSENSE_OVERHEAD[1]:
+        out.append(f"the profiled steps took {ov * 100:+.0f}% vs the unprofiled ones, far from the profiler's "
+                   "usual cost: the machine's load changed during the run, so the % of step figures are "
+                   "unreliable; profile again on a quiet machine")
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

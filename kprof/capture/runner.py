@@ -46,6 +46,7 @@ import platform
 import re
 import resource
 import runpy
+import signal
 import socket
 import sys
 import tempfile
@@ -54,6 +55,7 @@ import time
 import traceback
 import warnings
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -119,6 +121,9 @@ class RunConfig:
     # switches a live optimizer to its fused step here).
     on_optimizer: Callable[[Any], None] | None = None
     trace_dir: str | None = None
+    # The host-sync detector is a torch function mode: kprof apply --compare's compile variants
+    # run without it, so that torch.compile traces what the user's own compile would.
+    detect_syncs: bool = True
     # Called at each timed step's start with its index i (0..steps-1) and with i == steps when the
     # timed steps end, after the step's time mark (kprof apply's ablation switches patches here).
     # A true return stops the script there: no profiler phase, step_times_ms holds the i steps.
@@ -520,7 +525,10 @@ class _Session:
             status, exit_code, error = "error", 1, self._script_traceback(e)
         finally:
             self._uninstall()
-            self._finish_profiler(complete=False)
+            try:
+                self._finish_profiler(complete=False)
+            except KeyboardInterrupt:  # held while the trace was written (_interrupts_held)
+                status, exit_code = "interrupted", 130
         if abort is not None:
             raise abort
         return self._result(status, error, exit_code, time.perf_counter() - t0)
@@ -1058,6 +1066,8 @@ class _Session:
             self.sync_steps = 1 + self.cfg.steps
 
     def _start_sync_detector(self) -> None:
+        if not self.cfg.detect_syncs:
+            return
         stack_len = torch._C._len_torch_function_stack()
         if stack_len == 0:
             # Restarted for the shapes step: the same detector, so its counts cover every watched step.
@@ -1250,7 +1260,13 @@ class _Session:
             self.steps_recorded += 1
 
     def _finish_profiler(self, complete: bool) -> None:
-        """Stop recording, export the trace if any step was recorded. Safe to call twice."""
+        """Stop recording, export the trace if any step was recorded. Safe to call twice.
+        A Ctrl-C (or SIGTERM) that arrives meanwhile is held until the trace is written, then
+        raised: an interrupt just after the last recorded step keeps the run."""
+        with _interrupts_held():
+            self._finish_profiler_now(complete)
+
+    def _finish_profiler_now(self, complete: bool) -> None:
         partial = self.step_open if (self.step_handle is not None and not complete) else None
         self._close_step_range(complete=complete)
         if self.shapes_handle is not None:  # the script ended inside the shapes step: keep it
@@ -1260,6 +1276,11 @@ class _Session:
             self.shapes_pending = False
             self.warnings.append("the script ended before the step that records op shapes (one more after "
                                  "the recorded steps); ops have no shapes, so their costs are unknown")
+            if self.detector is not None and complete is False and self.steps_recorded == self.cfg.steps:
+                # No forward came after the last recorded step: what the detector saw since is the
+                # code after the loop (a final print(loss)), run once, not a per-step sync.
+                self.detector.forget_step(self.cfg.steps + 1)
+                self.sync_steps -= 1
         self._close_all_ranges()
         self.annotating = False
         self._stop_sync_detector()
@@ -1397,6 +1418,8 @@ class _Session:
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             self.peak = rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB on Linux
         message = self.stop_message
+        if not self.cfg.detect_syncs:
+            self.warnings.append("host syncs were not watched in this run (run without kprof's sync detector)")
         if status == "completed" and self.steps_recorded < self.cfg.steps:
             message = (
                 f"the script ended after {self.steps_recorded} of {self.cfg.steps} recorded steps "
@@ -1404,6 +1427,9 @@ class _Session:
                 f"{self.cfg.warmup} warm-up + {self.cfg.steps} timed + {PROFILER_WARMUP_STEPS} profiler warm-up "
                 f"+ {self.cfg.steps} recorded + {SHAPES_STEPS} shapes steps. Run it longer or lower --warmup/--steps."
             )
+            if self.mode != "optimizer":
+                message += (" A script with no optimizer step (no backward: inference, evaluation) is stepped by "
+                            "calls of its outermost module: pass --step forward.")
         elif status == "interrupted":
             message = f"interrupted; {self.steps_recorded} recorded steps kept"
         elif status == "error":
@@ -1451,6 +1477,26 @@ class _Session:
         except Exception as e:  # the run is still good without the routing histograms
             self.warnings.append(f"could not count the topk routing choices: {e!r}")
             return []
+
+
+@contextmanager
+def _interrupts_held():
+    """Hold SIGINT and SIGTERM for the block (main thread only; signal handlers live there) and
+    raise KeyboardInterrupt after it if one arrived."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    saved = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        saved[sig] = signal.signal(sig, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    if got:
+        raise KeyboardInterrupt("SIGTERM" if signal.SIGTERM in got else "SIGINT")
 
 
 def _dynamo_count() -> int | None:

@@ -238,6 +238,7 @@ class _Site:
     real: bool  # a device tensor was read back (a real sync), or a CPU run's would-be sync
     count: int = 0
     steps: set = field(default_factory=set)
+    by_step: dict = field(default_factory=dict)  # step -> calls in it
 
 
 class SyncDetector(TorchFunctionMode):
@@ -425,6 +426,17 @@ class SyncDetector(TorchFunctionMode):
         s.count += 1
         if self.step is not None:
             s.steps.add(self.step)
+            s.by_step[self.step] = s.by_step.get(self.step, 0) + 1
+
+    def forget_step(self, step: int) -> None:
+        """Drop the calls counted in `step`: it turned out not to be a step (the code after the
+        script's training loop ran where kprof waited for one more step)."""
+        for key, s in list(self._sites.items()):
+            n = s.by_step.pop(step, 0)
+            s.count -= n
+            s.steps.discard(step)
+            if s.count <= 0:
+                del self._sites[key]
 
     def summary(self, cuda_used: bool | None = None) -> list[dict]:
         """One dict per (kind, file, line), most frequent first: the real syncs of a run that used

@@ -173,7 +173,9 @@ def profile(
         if ncu_doc is not None:
             console.print(report.kernels_table(run.summary, console.width))
             console.print(report.ncu_table(ncu_doc, console.width))
-    raise typer.Exit(_exit_code(run.summary))
+    failed = partial_run_error(run.summary, run.path)
+    if failed is not None:
+        raise failed
 
 
 def _exit_code(summary: dict) -> int:
@@ -212,6 +214,22 @@ def _ncu_cross_check(run, ncu_path: str, top: int, json_out: bool) -> dict | Non
         return ncu.cross_check(run, selected, ncu_path, d)
 
 
+def partial_run_error(summary: dict, path: Path) -> KprofError | None:
+    """The one-line error (and exit code) for a run the script did not finish cleanly: it raised
+    (1, its own exit code named) or was interrupted (130); the partial run is kept and marked."""
+    from kprof.errors import INTERRUPTED, SCRIPT_FAILED
+
+    n = summary.get("steps_recorded") or 0
+    if summary.get("status") == "error":
+        return KprofError(f"{Path(str(summary.get('script'))).name} failed (exit code {summary.get('exit_code')}) "
+                          f"after {n} recorded step{'s' if n != 1 else ''}; the partial run is kept in {path}, marked "
+                          "error; fix the script (its traceback is above) and profile again", exit_code=SCRIPT_FAILED)
+    if summary.get("status") == "interrupted":
+        return KprofError(f"interrupted after {n} recorded step{'s' if n != 1 else ''}; the partial run is kept in "
+                          f"{path}, marked interrupted", exit_code=INTERRUPTED)
+    return None
+
+
 # --------------------------------------------------------------------------------------------
 # kprof runs / report / calibrate
 
@@ -240,7 +258,9 @@ def runs(
         except KprofError as e:  # one broken run must not hide the others
             recs.append(dict(run=p.name, path=str(p), status="unreadable", error=str(e)))
             continue
-        recs.append(dict(run=p.name, path=str(p), status=s.get("status", "?"),
+        # A patched run of kprof apply (partial ones too) says so: it is not a plain profile.
+        status = s.get("status", "?") + (" (apply)" if s.get("apply_of") is not None else "")
+        recs.append(dict(run=p.name, path=str(p), status=status,
                          device=(s.get("device") or {}).get("name", "?"), step=s.get("step_definition") or "?",
                          step_time_ms=(s.get("step_time_ms") or {}).get("median"),
                          steps=s.get("steps_recorded")))
@@ -329,11 +349,30 @@ from kprof.cli import patch_cmds as cli_patch
 cli_patch.register(app)
 
 
+def _on_sigterm(signum, frame) -> None:
+    # SIGTERM (a job scheduler, `kill`) takes the Ctrl-C path: the runner keeps the steps
+    # recorded so far, and the command ends with exit code 130 saying what was kept.
+    raise KeyboardInterrupt("SIGTERM")
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Entry point; the one place a KprofError becomes a red message and its exit code (1, or 2
-    for usage errors). Click handles its own usage errors (exit 2) in standalone mode."""
+    """Entry point; the one place a KprofError becomes a red message and its exit code
+    (kprof.errors: 1 the script failed, 2 bad input, 3 a patch failed, 130 interrupted). Click
+    handles its own usage errors (exit 2) in standalone mode, and typer exits 130 on an
+    interrupt that reaches it (the commands catch the ones that cost work, saying what was kept)."""
+    import signal
+    import threading
+
+    restore = None
+    if threading.current_thread() is threading.main_thread():
+        restore = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         app(args=argv, prog_name="kprof")
     except KprofError as e:
+        if e.detail:
+            err_console.print(Text(e.detail.rstrip()), markup=False, highlight=False)
         err_console.print(Text("error: ", style="bold red") + Text(str(e), style="red"))
         sys.exit(e.exit_code)
+    finally:
+        if restore is not None:
+            signal.signal(signal.SIGTERM, restore)

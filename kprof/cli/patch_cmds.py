@@ -71,7 +71,7 @@ PLAN_COLUMNS = [Col("#", justify="right", number=True), Col("id", number=True), 
                 Col("change"), Col("est. saving"), Col("confidence", number=True), Col("how")]
 
 
-def render_plan(plan: pd.DataFrame, run_name: str, plan_path: Path, out: Console | None = None,
+def render_plan(plan: pd.DataFrame, run_name: str, plan_path: Path | None, out: Console | None = None,
                 diagnoses: pd.DataFrame | None = None) -> None:
     """Kernel suggestions and diagnoses in one table, ranked by estimated saving (unknown last);
     one block per row where the table doesn't fit the terminal."""
@@ -83,7 +83,8 @@ def render_plan(plan: pd.DataFrame, run_name: str, plan_path: Path, out: Console
         out.print(f"kprof suggest: no pattern kprof can fix was found in run {run_name}.")
         return
     what = "suggestions" if len(plan) else "diagnoses (no kernel pattern found)"
-    title = Text(f"{what} for {run_name}, ranked by estimated saving (saved to {plan_path})", style="italic")
+    title = Text(f"{what} for {run_name}, ranked by estimated saving ("
+                 + (f"saved to {plan_path})" if plan_path else "not saved)"), style="italic")
     # A host-bound run's caveat is the same on every kernel row (kprof.analyze.modules.host_bound): once.
     caveats = dict.fromkeys(c for c in (plan["caveat"] if "caveat" in plan else []) if c)
     for c in caveats:
@@ -110,15 +111,22 @@ def suggest_cmd(
     from kprof.rules import all_rules
     from kprof.rules.diagnoses import diagnose
 
-    r = store.load_run(run, out)
+    # The same default run as `kprof apply`: the latest run of a script as written.
+    r = store.load_run(run, out) if run is not None else store.latest_plain_run(out)
     plan = suggest(r, all_rules(str(rules) if rules else None))
     diag = diagnose(r)
-    path = save_plan(r, plan, diag)
+    try:
+        path: Path | None = save_plan(r, plan, diag)
+        unsaved = None
+    except OSError as e:  # a read-only store: the plan is still worth showing
+        path, unsaved = None, f"plan.json was not saved in {r.path} ({e.strerror or e}); kprof apply computes it again"
     if json_out:
         # plan.json's document, and where it was saved
-        print(json.dumps({"plan": str(path)} | plan_doc(r, plan, diag), indent=1, allow_nan=False))
+        print(json.dumps({"plan": str(path) if path else None} | plan_doc(r, plan, diag), indent=1, allow_nan=False))
     else:
-        render_plan(plan, r.name, Path(r.path) / PLAN, diagnoses=diag)
+        render_plan(plan, r.name, path, diagnoses=diag)
+    if unsaved:
+        err_console.print(Text("warning: " + unsaved, style="yellow"))
 
 
 def render_apply(res, out: Console | None = None) -> None:
@@ -142,7 +150,15 @@ def render_apply(res, out: Console | None = None) -> None:
     out.print(fit([Col("step", **num), Col("before", **num), Col("after", **num), Col("rel diff", **num)],
                   [[str(r["step"]), f"{r['before']:.6f}", f"{r['after']:.6f}", f"{r['rel diff']:.2e}"]
                    for r in res.losses.to_dict("records")], w, title="first losses"))
-    if res.losses_agree is True:
+    w = res.watch
+    if w is not None and w["diverged"]:
+        out.print(f"[red]loss diverged at step {w['step']}: {w['after']:.6g} patched vs {w['before']:.6g} unpatched, "
+                  f"|diff| {w['delta']:.2e} > {w['k']:g} x the unpatched runs' spread or the dtype's tolerance "
+                  f"({w['limit']:.2e})[/red]")
+    elif w is not None:
+        out.print(f"[green]losses agree over all {w['steps']} steps: |diff| at most {w['max_delta']:.2e}, within "
+                  f"{w['k']:g} x the spread of two unpatched runs ({w['spread']:.2e}) or the dtype's tolerance[/green]")
+    elif res.losses_agree is True:
         out.print(f"[green]first loss agrees within the patched dtype's tolerance (rtol {res.loss_tolerance:g})[/green]")
     elif res.losses_agree is False:
         out.print(f"[red]first loss differs beyond the tolerance (rtol {res.loss_tolerance:g}): is the script "
@@ -337,6 +353,8 @@ def apply_cmd(
                                         "'memory': also those that cost time but save peak memory.")] = "time",
     keep_losers: Annotated[bool, typer.Option("--keep-losers", help="Install (and --write) every verified patch, "
                                               "also those the ablation dropped.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Let --write replace an existing file (kept as FILE.bak, "
+                                        "or the next free FILE.bak.N).")] = False,
 ) -> None:
     """Time each planned patch on and off in SCRIPT's own steps, keep only those that make the step
     faster, and compare before/after; with --compare, against torch.compile too."""
@@ -370,18 +388,31 @@ def apply_cmd(
     if json_out and write is not None and str(write) == "-":
         raise KprofError("--write - prints the lines on stdout, where --json puts its document; "
                          "write them to a file instead (--write keep.py)", exit_code=2)
-    from kprof.patching.apply import apply
+    from kprof.errors import INTERRUPTED
+    from kprof.patching.apply import apply, check_write_target, write_keep_file
 
-    with stdout_to_stderr(json_out):
-        res = apply(str(script), list(ctx.args), patch=patch, run=run, strict=strict,
-                    rules_dir=str(rules) if rules else None, out_root=out, steps=steps, prefer=prefer,
-                    keep_losers=keep_losers)
+    if write is not None:  # checked before the run, not after it
+        check_write_target(write, str(script), force=force)
+    try:
+        with stdout_to_stderr(json_out):
+            res = apply(str(script), list(ctx.args), patch=patch, run=run, strict=strict,
+                        rules_dir=str(rules) if rules else None, out_root=out, steps=steps, prefer=prefer,
+                        keep_losers=keep_losers)
+    except KeyboardInterrupt:  # outside the script's runs (those say what they kept themselves)
+        raise KprofError("interrupted during kprof apply, between its runs; nothing was written",
+                         exit_code=INTERRUPTED) from None
     if json_out:
         # apply.json's document (ApplyResult.to_dict), where it is saved, and the --write lines
         print(json.dumps(res.to_dict() | {"apply": str(Path(res.after.path) / store.APPLY),
                                           "write_lines": res.write_lines}, indent=1, allow_nan=False))
     else:
         render_apply(res)
+    if res.watch is not None and res.watch["diverged"]:
+        from kprof.errors import PATCH_FAILED
+
+        raise KprofError(f"the patched run's loss diverged from the unpatched one at step {res.watch['step']} "
+                         f"(kept: {', '.join(res.kept)}); nothing was written: leave these patches out, and report "
+                         f"it with runs {res.before.name} and {res.after.name}", exit_code=PATCH_FAILED)
     if write is not None and not res.kept:
         (err_console if json_out else console).print(
             f"--write: no patch was kept, so nothing was written to {write} (--keep-losers writes them all)")
@@ -389,9 +420,14 @@ def apply_cmd(
         if str(write) == "-":
             print(res.write_lines, end="")
         else:
-            write.write_text(res.write_lines)
+            try:
+                bak = write_keep_file(write, res.write_lines)
+            except OSError as e:
+                raise KprofError(f"--write {write}: {e.strerror or e}; no file was changed; the lines to keep the "
+                                 "patches are printed above", detail=res.write_lines) from None
+            kept = f" (the old file is kept as {bak})" if bak else ""
             (err_console if json_out else console).print(
-                f"wrote {write}: add its lines to your script to keep the patches")
+                Text(f"wrote {write}{kept}: add its lines to your script to keep the patches"))
 
 
 def register(app: typer.Typer) -> None:

@@ -22,6 +22,9 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -30,7 +33,7 @@ import pandas as pd
 
 from kprof import store
 from kprof.analyze.profile import load_run, profile_script
-from kprof.errors import KprofError
+from kprof.errors import INTERRUPTED, PATCH_FAILED, SCRIPT_FAILED, KprofError
 from kprof.patching import ablation as ab
 from kprof.patching.install import OPTIMIZER_ID, check_rules, patch_optimizer
 from kprof.patching.install import patch as kpatch
@@ -61,6 +64,7 @@ class ApplyResult:
     recommendation: str = ""
     prefer: str = "time"
     batch_headroom: float | None = None  # x larger batch in the same memory (prefer memory)
+    watch: dict | None = None  # the loss watch over every step (loss_watch), None if it did not run
 
     @property
     def before_ms(self) -> float:
@@ -100,7 +104,7 @@ class ApplyResult:
                     "verdict": a.total.verdict}},
             "ablation_declined": self.declined,
             "steps": _recs(self.steps), "losses": _recs(self.losses), "losses_agree": self.losses_agree,
-            "loss_tolerance": self.loss_tolerance,
+            "loss_tolerance": self.loss_tolerance, "loss_watch": self.watch,
             "records": {"ablation": [rec(r) for r in recs],
                         "after": [rec(r) for rep in self.reports for r in rep.records]},
             "notes": self.notes,
@@ -164,6 +168,95 @@ def compare_losses(before, after, reports, n: int = 5) -> tuple[pd.DataFrame, bo
     tol = TOLERANCE[dtype]
     b, a = float(lb[0]), float(la[0])
     return df, abs(a - b) <= tol.atol + tol.rtol * abs(b), tol.rtol
+
+
+def _last_line(text: str | None) -> str:
+    lines = [ln.strip() for ln in (text or "").strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "no error message"
+
+
+def check_write_target(path: Path, script: str | None = None, *, force: bool = False) -> None:
+    """Refuse a `--write` target before any run starts: a folder, a path that can't be written,
+    or an existing file (unless `force`: then write_keep_file keeps a backup)."""
+    if str(path) == "-":
+        return
+    if path.is_dir():
+        raise KprofError(f"--write {path} is a folder; pass a file path such as {path / 'keep_patches.py'}")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise KprofError(f"--write {path}: the folder {parent} does not exist; create it or pass another path")
+    try:  # the one sure test of writability (permissions, read-only mounts, immutable folders)
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        raise KprofError(f"--write {path}: cannot write in {parent} ({e.strerror or e}); pass a writable path") from None
+    if path.exists() or path.is_symlink():
+        mine = script is not None and path.resolve() == Path(script).resolve()
+        if not force:
+            raise KprofError(f"--write {path} exists{' and is the training script itself' if mine else ''}; pass a new "
+                             f"file name, or add --force to replace it (the old file is kept as {backup_name(path)})")
+        if not os.access(path, os.W_OK) or not path.is_file():
+            raise KprofError(f"--write {path} exists and is not a writable file; pass another path")
+
+
+def backup_name(path: Path) -> Path:
+    """FILE.bak, or FILE.bak.1, .2, ... when that exists: an earlier backup is never overwritten."""
+    bak = path.with_name(path.name + ".bak")
+    i = 1
+    while bak.exists() or bak.is_symlink():
+        bak = path.with_name(f"{path.name}.bak.{i}")
+        i += 1
+    return bak
+
+
+def write_keep_file(path: Path, text: str) -> Path | None:
+    """Write `text` to `path` whole or not at all (a temporary file renamed over it); an existing
+    file is first copied to backup_name(path), which is returned."""
+    bak = None
+    if path.exists():
+        bak = backup_name(path)
+        shutil.copy2(path, bak)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".kprof-tmp", dir=path.parent if str(path.parent) else ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        if bak is not None:
+            shutil.copymode(bak, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return bak
+
+
+K_DIVERGENCE = 10.0  # a patched loss further from the plan's than 10x the unpatched runs' spread diverged
+
+
+def loss_watch(before: Sequence[float], control: Sequence[float], after: Sequence[float],
+               tol=None) -> dict:
+    """Every step's loss of the patched run (`after`) against the plan's unpatched run
+    (`before`), under the same seed and data. `control` is a second unpatched run: the
+    spread |before - control| up to each step is what two runs of the same code differ by.
+    Step i diverged when |after - before| > K_DIVERGENCE x max(that spread, one tolerance of the
+    patched dtype at the loss: atol + rtol |loss|, the floor where unpatched runs agree bit for
+    bit)."""
+    n = min(len(before), len(control), len(after))
+    atol, rtol = (tol.atol, tol.rtol) if tol is not None else (1e-5, 2e-5)
+    spread = worst = 0.0
+    checked = 0
+    for i in range(n):
+        b, c, a = float(before[i]), float(control[i]), float(after[i])
+        if not all(math.isfinite(x) for x in (b, c)):
+            continue
+        spread = max(spread, abs(b - c))
+        limit = K_DIVERGENCE * max(spread, atol + rtol * abs(b))
+        d = abs(a - b) if math.isfinite(a) else math.inf
+        checked += 1
+        if d > limit:
+            return {"diverged": True, "step": i, "delta": d, "limit": limit, "spread": spread, "steps": n,
+                    "k": K_DIVERGENCE, "before": b, "after": a}
+        worst = max(worst, d)
+    return {"diverged": False, "steps": checked, "max_delta": worst, "spread": spread, "k": K_DIVERGENCE}
 
 
 def write_lines(ids: Sequence[str], strict: bool) -> str:
@@ -456,6 +549,7 @@ def apply(
                          f"{ab.MIN_BLOCKS + ab.WARM_BLOCKS} steps", exit_code=2)
     root = out_root or store.DEFAULT_ROOT
     before = load_run(run, root) if run is not None else store.latest_plain_run(root)
+    store.ensure_root(root)  # an unwritable store fails now, not after the ablation run
     store.check_same_script(before, script)
     plan = plan_for(before, rules_dir)
     ids = parse_ids(patch, plan)
@@ -466,9 +560,11 @@ def apply(
         failed = [r for rep in reports for r in rep.records if r.status == "reverted"]
         if not (strict and failed):
             return None
-        return KprofError("--strict: " + "; ".join(f"{r.rule} at {r.path or '<model>'} failed verification: "
+        return KprofError("--strict: " + "; ".join(f"{r.rule} at {r.path or '<model>'} failed verification"
+                                                   f"{' (' + r.note + ')' if r.note else ''}: "
                                                    f"{r.verification.summary()}" for r in failed)
-                          + "; run without --strict to keep the original code for these and go on")
+                          + "; run without --strict to keep the original code for these and go on",
+                          exit_code=PATCH_FAILED)
 
     # 1. The ablation: one unprofiled run, the patch groups switched between timed steps.
     abl = _Ablation(ids, strict=strict, rules_dir=rules_dir, budget=steps, seed=seed)
@@ -486,11 +582,15 @@ def apply(
     err = strict_failure(abl.reports)
     if err is not None:
         raise err
-    if raw.status == "error" and not raw.step_times_ms:
-        raise KprofError(f"{script} failed during kprof apply's ablation run:\n{(raw.error or '').rstrip()}",
-                         exit_code=raw.exit_code or 1)
+    if raw.status == "error":
+        # Whether or not steps were timed, a script that fails is not a result to act on.
+        raise KprofError(f"{Path(script).name} failed (exit code {raw.exit_code}) during kprof apply's ablation run "
+                         f"(patches switched on and off; not saved): {_last_line(raw.error)}; fix the script (its "
+                         f"traceback is above) and run kprof apply again; the planned run {before.name} is unchanged",
+                         exit_code=SCRIPT_FAILED, detail=raw.error)
     if raw.status == "interrupted":
-        raise KprofError("interrupted during kprof apply's ablation run; nothing was saved", exit_code=130)
+        raise KprofError(f"interrupted during kprof apply's ablation run; nothing was saved and the planned run "
+                         f"{before.name} is unchanged", exit_code=INTERRUPTED)
     if not abl.roots:
         raise KprofError(f"{script} never called an nn.Module, so there was nothing to patch")
     notes: list[str] = []
@@ -530,9 +630,11 @@ def apply(
         reports.append(patch_optimizer(opt, strict=strict, rule=OPTIMIZER_ID))
 
     try:
+        # Marked as apply's even if it ends partial: later commands must not plan from a patched run.
         after = profile_script(script, list(argv), warmup=warmup, steps=int(before.summary.get("steps") or 5),
                                out_root=root, progress=progress, on_root_module=on_root if kept_rules else None,
-                               on_optimizer=on_optimizer if OPTIMIZER_ID in kept else None)
+                               on_optimizer=on_optimizer if OPTIMIZER_ID in kept else None,
+                               summary_extra={"apply_of": {"run": before.name, "patches": list(kept)}})
     except KprofError:
         err = strict_failure(reports)  # the gate raised inside the script: say so without its traceback
         if err is not None:
@@ -544,6 +646,16 @@ def apply(
     err = strict_failure(reports)
     if err is not None:
         raise err
+    status, n = after.summary.get("status"), after.summary.get("steps_recorded") or 0
+    if status in ("error", "interrupted"):
+        what = (f"{Path(script).name} failed (exit code {after.summary.get('exit_code')})" if status == "error"
+                else "interrupted")
+        raise KprofError(f"{what} during kprof apply's after run, after {n} recorded step{'s' if n != 1 else ''}; "
+                         f"the partial run {after.name} is kept, marked {status} and as apply's (later commands do "
+                         f"not plan from it); nothing was written" + ("; fix the script and run kprof apply again"
+                                                                      if status == "error" else ""),
+                         exit_code=SCRIPT_FAILED if status == "error" else INTERRUPTED,
+                         detail=after.summary.get("error") if status == "error" else None)
     recs = [r for rep in reports for r in rep.records]
     pending = [r for r in recs if r.status == "pending"]
     if pending:
@@ -556,11 +668,29 @@ def apply(
     notes += [f"{rule} ({n} module{'s' if n > 1 else ''}): {note}" for (rule, note), n in by_note.items()]
 
     losses, agree, tol = compare_losses(before, after, reports)
+    watch = None
+    if kept and before.summary.get("losses") and after.summary.get("losses"):
+        # A second unpatched run, like the plan's: how far two runs of the unpatched script drift.
+        with tempfile.TemporaryDirectory(prefix="kprof-control-") as td:
+            control = run_script(script, list(argv), RunConfig(warmup=warmup, steps=int(before.summary.get("steps") or 5),
+                                                               record_shapes=False, trace_dir=td), progress=progress)
+        if control.status in ("error", "interrupted") or not control.losses:
+            notes.append("the unpatched control run for the loss watch did not finish, so the losses were "
+                         "compared with the dtype's tolerance only")
+        from kprof.kernels.common import TOLERANCE
+        from kprof.patching.verify import COARSENESS
+
+        dts = [r.verification.dtype for r in recs if r.verification is not None]
+        dt = max(dts, key=COARSENESS.__getitem__) if dts else None
+        ctl = control.losses if control.losses else before.summary["losses"]
+        watch = loss_watch(before.summary["losses"], ctl, after.summary["losses"], TOLERANCE.get(dt))
     res = ApplyResult(before, after, ids, reports, compare(before, after),
                       suggestions_frame(plan, ids, abl.reports, result_ablation, kept, abl.declined),
                       losses, agree, tol, write_lines(kept, strict) if kept else "", notes,
                       ablation=result_ablation, declined=abl.declined, ablation_reports=abl.reports, kept=kept,
-                      not_installed=_not_installed(ids, abl.reports, plan), prefer=prefer)
+                      not_installed=_not_installed(ids, abl.reports, plan), prefer=prefer, watch=watch)
+    if watch is not None and watch["diverged"]:
+        res.write_lines = ""  # nothing that diverged is offered for keeping
     b, a = res.before_ms, res.after_ms
     p90 = ((before.summary.get("step_time_ms") or {}).get("p90"))
     if kept and p90 is not None and a == a and a > p90:
@@ -573,6 +703,9 @@ def apply(
         if pb and pa and "max_memory_allocated" in str(after.summary.get("peak_memory_kind")):
             res.batch_headroom = ab.batch_headroom(float(pb), float(pa), statistics.median(abl.static))
     res.recommendation = recommend(res, plan, script, root)
+    if watch is not None and watch["diverged"]:
+        res.recommendation = (f"leave the model as it is: with {', '.join(kept)} the loss diverged from the unpatched "
+                              f"run's at step {watch['step']} (a kernel wrong after its verified calls)")
     _save(res)
     return res
 

@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from kprof import store
-from kprof.errors import KprofError
+from kprof.errors import SCRIPT_FAILED, KprofError
 
 VARIANTS = ("eager", "kprof", "compile", "kprof+compile")
 # The verdict's tie-break when the difference is within the noise: stock PyTorch before kprof's
@@ -322,7 +322,7 @@ def compare(
             if v == "eager" and row.status == "failed" and row.run is None:
                 # The script fails as it is: every variant would fail the same way.
                 raise KprofError(f"{script} failed in the eager variant (the script as it is), so there is nothing "
-                                 f"to compare; fix the script first:\n{row.error}")
+                                 f"to compare; fix the script first", exit_code=SCRIPT_FAILED, detail=row.error)
             _finish(res)
             _save(res)
     except KeyboardInterrupt:
@@ -334,7 +334,7 @@ def compare(
     ran = [r for r in res.variants if r.run is not None]
     if not ran:
         errs = "; ".join(f"{r.variant}: {r.error}" for r in res.variants)
-        raise KprofError(f"no variant ran, nothing to compare: {errs}")
+        raise KprofError(f"no variant ran, nothing to compare: {errs}", exit_code=SCRIPT_FAILED)
     _finish(res)
     if res.cpu:
         res.notes.append("CPU run: step times are CPU wall times and peak memory is the process's peak RSS, not a "

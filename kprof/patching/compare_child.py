@@ -174,8 +174,10 @@ def _run_child(spec: dict, out: dict) -> None:
 
     root = Path(spec["out_root"])
     try:
+        # Compile variants run without kprof's sync detector (a torch function mode that Dynamo
+        # would trace into): torch.compile sees the script as the user's own compile does.
         run = profile_script(spec["script"], spec["argv"], warmup=spec["warmup"], steps=spec["steps"],
-                             out_root=root, progress=clock, on_root_module=on_root)
+                             out_root=root, progress=clock, on_root_module=on_root, detect_syncs=not use_compile)
     finally:
         reports = [r.report for r in roots if r.report is not None]
         recs = [rec for rep in reports for rec in rep.records]
@@ -231,7 +233,7 @@ def child_main(spec_path: str) -> int:
     try:
         _run_child(spec, out)
     except KprofError as e:
-        out["error"] = str(e)
+        out["error"] = (e.detail.rstrip() + "\n" if e.detail else "") + str(e)  # the traceback, then the line
     except BaseException as e:  # noqa: BLE001 - anything: the row reports it
         out["error"] = "".join(traceback.format_exception(type(e), e, e.__traceback__)).rstrip()
         if isinstance(e, KeyboardInterrupt):

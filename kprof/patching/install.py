@@ -21,6 +21,7 @@ error; with `strict=True` the failure raises KprofError instead. Until its first
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.nn as nn
 
-from kprof.errors import KprofError
+from kprof.errors import PATCH_FAILED, KprofError
 from kprof.patching.verify import Verification, verify_call
 
 _MISSING = object()
@@ -88,6 +89,11 @@ class _Unit:
             self.saved.append((tgt, match.attr, tgt.__dict__.get(match.attr, _MISSING)))
         self.busy = False
         self.enabled = True  # see set_enabled
+        # After the first call verifies, calls at input shapes not seen yet are verified again
+        # (up to MAX_RECHECKS a unit): a kernel can be right at one shape and wrong at another.
+        self.watched: Callable | None = None
+        self.seen: set = set()
+        self.rechecks = 0
         if verify or match.deferred:  # a traced rewrite is never installed unverified
             # Verification runs eagerly even when the first call happens inside a torch.compile'd
             # model (Dynamo would otherwise trace autograd.grad and the RNG forks); once installed,
@@ -103,6 +109,68 @@ class _Unit:
         for o, a, fn in self.overrides:
             if not (skip_entry and (o, a) == self.entry):
                 setattr(o, a, fn)
+        if self.watched is not None and not skip_entry:
+            setattr(*self.entry, self.watched)
+
+    def _arm_watch(self, args, kwargs) -> None:
+        """Put the shape watch on the entry: the patched code runs, and a call at a new input
+        shape is verified first (not under torch.compile: there verification ran before
+        compiling, and the compiled graph holds the patched code alone)."""
+        self.seen = {_signature(args, kwargs)}
+        inner = next((fn for o, a, fn in self.overrides if (o, a) == self.entry), None)
+        inner = inner or self._original_entry()  # children overrides only: installed around it
+
+        @functools.wraps(inner)  # what the patched forward carries (a traced rewrite's graph_module)
+        def watched(*a, **kw):
+            if self.busy or self.watched is None or torch.compiler.is_compiling():
+                return inner(*a, **kw)
+            sig = _signature(a, kw)
+            if sig in self.seen:
+                return inner(*a, **kw)
+            self.seen.add(sig)
+            self.rechecks += 1
+            if self.rechecks >= MAX_RECHECKS:  # enough shapes seen: the patched code alone from now
+                self.watched = None
+                setattr(*self.entry, inner)
+            return self._recheck(sig, a, kw)
+
+        self.watched = watched
+
+    def _recheck(self, sig, args, kwargs):
+        self.busy = True
+        self._restore()
+        try:
+            v = verify_call(self._original_entry(), self._patched_entry(), args, kwargs,
+                            [p for _, p in self.params], select=self.match.rule.outputs,
+                            param_names=[n for n, _ in self.params], state=self.state)
+        except BaseException:
+            self._install()
+            raise
+        finally:
+            self.busy = False
+        if v.ok:
+            self._install()
+        else:
+            self.watched = None
+            shapes = ", ".join(str(list(x[0])) for x in sig if isinstance(x, tuple) and len(x) == 2
+                               and isinstance(x[1], torch.dtype))
+            self._fail(v, f"verified at its first call, wrong at a new input shape ({shapes or '?'})")
+        tgt, attr = self.entry
+        return getattr(tgt, attr)(*args, **kwargs)
+
+    def _fail(self, v: Verification, note: str = "") -> None:
+        """Reverted (the original code restored by the caller) and reported; fatal under strict."""
+        self.record.status, self.record.verification = "reverted", v
+        if note:
+            self.record.note = note
+        for sib in self.siblings:
+            sib.status, sib.verification = "reverted", v
+        msg = (f"kprof patch {self.record.rule} at {self.record.path} failed verification"
+               f"{' (' + note + ')' if note else ''}: {v.summary()}")
+        if self.strict:
+            raise KprofError(msg + "; drop --strict to keep the original code for this module and go on",
+                             exit_code=PATCH_FAILED)
+        warnings.warn(msg + "; reverted to the original code", stacklevel=3)
 
     def _restore(self) -> None:
         for o, a, old in reversed(self.saved):
@@ -164,17 +232,14 @@ class _Unit:
         self.record.verification = v
         if v.ok:
             self._restore()
+            self._arm_watch(args, kwargs)
             self._install()
             self.record.status = "verified"
+            for sib in self.siblings:
+                sib.status, sib.verification = self.record.status, v
         else:
             self._restore()
-            self.record.status = "reverted"
-            msg = f"kprof patch {self.record.rule} at {self.record.path} failed verification: {v.summary()}"
-            if self.strict:
-                raise KprofError(msg + "; drop --strict to keep the original code for this module and go on")
-            warnings.warn(msg + "; reverted to the original code", stacklevel=2)
-        for sib in self.siblings:
-            sib.status, sib.verification = self.record.status, v
+            self._fail(v)
         if self.on_verified is not None:
             self.on_verified(self.record)
         tgt, attr = self.entry
@@ -219,6 +284,21 @@ class _Unit:
         self._restore()
         if self.record.status in ("pending", "installed"):
             self.record.status = "removed"  # verified / reverted stay: they are results
+
+
+MAX_RECHECKS = 4  # new input shapes verified per patched unit after its first call
+
+
+def _signature(args, kwargs) -> tuple:
+    """The shapes and dtypes of a call's tensor arguments (one level into tuples and lists)."""
+    def one(a):
+        if isinstance(a, torch.Tensor):
+            return (tuple(a.shape), a.dtype)
+        if isinstance(a, (tuple, list)):
+            return tuple(one(x) for x in a)
+        return None
+
+    return tuple(one(a) for a in args) + tuple((k, one(v)) for k, v in sorted(kwargs.items()))
 
 
 @dataclass

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -135,7 +137,7 @@ def suggest(run, rules: Sequence[Any] | None = None) -> pd.DataFrame:
         att = pd.to_numeric(ev.get("attainable (us)"), errors="coerce") if "attainable (us)" in ev else None
         cls = (ev.assign(_t=t).groupby("class")["_t"].sum().idxmax() if len(ev) and "class" in ev else "")
         pct_roof = float(att.fillna(0).sum() / t.sum() * 100) if att is not None and t.sum() > 0 else math.nan
-        saving = max(measured - predicted, 0.0) if known else math.nan
+        saving = capped_saving_us(measured - predicted, step_ms) if known else math.nan
         classes = [table.at[p, "module_class"] for p in paths]
         source = _source(summary, paths, classes, "softmax" if rule.id.startswith("attention") else None)
         rows.append({
@@ -153,8 +155,7 @@ def suggest(run, rules: Sequence[Any] | None = None) -> pd.DataFrame:
             "predicted ms/step": predicted / 1e3 if known else math.nan,
             "saving ms/step": saving / 1e3 if known else math.nan,
             "saving %": saving / 1e3 / step_ms * 100 if known and step_ms == step_ms and step_ms else math.nan,
-            # Host-bound: the GPU-time saving stands, but the step won't get shorter by it.
-            "confidence": rule.confidence if known and hb is None else "low",
+            "confidence": confidence(rule.confidence, saving / 1e3 if known else None, hb is not None),
             "caveat": hb["caveat"] if hb else "",
             "applyable": rule.applyable,
             "how": "kprof apply --patch " + rule.id if rule.applyable else (
@@ -172,10 +173,31 @@ def suggest(run, rules: Sequence[Any] | None = None) -> pd.DataFrame:
     return plan
 
 
+def capped_saving_us(saving_us: float, step_ms: float) -> float:
+    """A saving between 0 and the whole unprofiled step: op times come from the profiled steps,
+    which run slower (on a loaded machine, more than the whole unprofiled step)."""
+    saving_us = max(saving_us, 0.0)
+    return min(saving_us, step_ms * 1e3) if step_ms == step_ms and step_ms > 0 else saving_us
+
+
+NO_SAVING_MS = 0.005  # below this an estimate prints as 0.00 ms/step: nothing to be sure of
+
+
+def confidence(rule_confidence: str, saving_ms: float | None, host_bound: bool) -> str:
+    """A rule's confidence in its match, or "low" where acting on it would not pay: an unknown
+    saving, a saving that rounds to 0.00 ms/step, or a host-bound step (the GPU-time saving
+    stands, but the step won't get shorter by it)."""
+    if saving_ms is None or not saving_ms == saving_ms or saving_ms < NO_SAVING_MS or host_bound:
+        return "low"
+    return rule_confidence
+
+
 def _by_saving(df: pd.DataFrame) -> pd.DataFrame:
-    """Known savings first, largest first; then unknown savings by measured time (stable)."""
-    return df.assign(_k=df["saving ms/step"].isna()).sort_values(
-        ["_k", "saving ms/step", "ms/step"], ascending=[True, False, False], kind="stable").drop(columns="_k")
+    """Known savings first, largest first; then unknown savings by measured time; ties by id,
+    so the order does not depend on the order the rules and diagnoses were tried in."""
+    return df.assign(_k=df["saving ms/step"].isna(), _id=df["id"].astype(str)).sort_values(
+        ["_k", "saving ms/step", "ms/step", "_id"], ascending=[True, False, False, True],
+        kind="stable").drop(columns=["_k", "_id"])
 
 
 def ranked(plan: pd.DataFrame, diagnoses: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -252,9 +274,15 @@ def save_plan(run, plan: pd.DataFrame, diagnoses: pd.DataFrame | None = None) ->
     save_diffs(run, plan, diagnoses)
     doc = plan_doc(run, plan, diagnoses)
     path = Path(run.path) / PLAN
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=1, allow_nan=False))
-    tmp.replace(path)
+    # A temporary name of its own: two `kprof suggest` at once must not rename each other's file.
+    fd, tmp = tempfile.mkstemp(prefix=".plan.", suffix=".tmp", dir=run.path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(doc, indent=1, allow_nan=False))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
 
 

@@ -18,6 +18,7 @@ import os
 import re
 import statistics
 
+from kprof.analyze.modules import step_ms
 from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, n_steps
 from kprof.rules.edits import no_diff
 
@@ -80,6 +81,12 @@ def find(ops, summary: dict) -> list[Finding]:
         if idle:
             saving = statistics.median(idle) / 1e3
             note = "upper bound: all GPU idle time in the step (median over steps); other stalls share it"
+            step = step_ms(summary)
+            if step == step and saving > step:
+                # Idle is measured in the profiled steps, which run slower than the unprofiled step
+                # every saving is a share of: no saving can be more than the whole step.
+                saving = step
+                note = "upper bound: the whole unprofiled step (the profiled steps' GPU idle exceeds it)"
             lines.append(f"GPU idle {saving:.2f} ms/step (median)")
         else:
             note = "no GPU idle time recorded for the steps"

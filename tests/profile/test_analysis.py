@@ -57,6 +57,13 @@ def test_roofline_classes_and_numbers():
     assert math.isnan(r.iloc[3]["attainable (us)"]) and math.isnan(r.iloc[3]["% of roofline"])
 
 
+def test_broadcast_tensors_is_not_communication():
+    # aten::broadcast_tensors moves nothing between devices; a c10d broadcast does (issue 22)
+    ops = pd.DataFrame([row("aten::broadcast_tensors", 0, 0, 10.0),
+                        row("c10d::broadcast_", 0, 1e6, 80.0, kernel="ncclDevKernel_Broadcast")])
+    assert list(analysis.roofline(ops, CEIL)["class"]) == ["latency-bound", "communication"]
+
+
 def test_ridge_point_depends_on_dtype_class_and_tf32():
     # fp32 matmul at 50 FLOP/B: above the fp32 ridge (10) but below the tf32 ridge (50.x)
     ops = pd.DataFrame([row("aten::mm", 50e9, 1e9 - 1e6, 10_000.0, dtype="float32")])
@@ -179,3 +186,14 @@ def test_every_figure_is_on_the_unprofiled_step():
     # no unprofiled steps: the profiled window, said so
     b = analysis.idle_basis(idle, plain_ms=None)
     assert b["step (us)"] == 10000.0 and b["busy %"] == 40.0 and b["basis"] == "profiled step"
+
+
+@pytest.mark.parametrize("unprofiled, profiled, flagged", [
+    ([10.0, 10.5, 9.8, 10.2, 10.1], [17.0, 16.5, 17.2, 16.9, 17.1], []),  # +70%: a profiler's usual cost
+    ([10.0, 10.5, 9.8, 10.2, 10.1], [958.0, 950.0, 960.0, 955.0, 962.0], ["profiled steps took +9"]),
+    ([10.0, 60.0, 9.0, 70.0, 11.0], [12.0, 70.0, 11.0, 80.0, 13.0], ["vary more than their median"]),
+])
+def test_nonsense_timings_are_flagged(unprofiled, profiled, flagged):
+    got = analysis.timing_warnings(unprofiled, profiled)
+    assert len(got) == len(flagged) and all(f in g for f, g in zip(flagged, got))
+    assert all("profile again" in g for g in got)  # what to do about it

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -690,3 +691,49 @@ def test_long_tensorlists_get_their_shapes(tmp_path):
     assert lerp, "the shapes step's foreach AdamW"
     dims = lerp[0]["args"]["Input Dims"]
     assert len(dims[0]) == 40 and dims[0][:2] == [[4, 4], [4]] and len(dims[1]) == 40
+
+
+def test_a_print_after_the_loop_is_not_a_per_step_sync(tmp_path):
+    # The loop ends exactly after the recorded steps, so kprof is still waiting for its shapes
+    # step when the script's final print(loss.item()) runs: that is code after the loop, run once.
+    script = tmp_path / "after_loop.py"
+    script.write_text(textwrap.dedent("""\
+        import torch
+        model = torch.nn.Linear(8, 8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for i in range(6):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 4:
+                loss.item()  # in a recorded step: counted
+        print("final", loss.item())
+        """))
+    r = run_script(str(script), [], RunConfig(warmup=1, steps=2, trace_dir=str(tmp_path)))
+    assert r.status == "completed" and r.steps_recorded == 2
+    lines = {s["line"]: s["count"] for s in r.syncs_cpu}
+    assert lines == {10: 1}  # line 11, after the loop, is gone
+    assert r.sync_steps == 3  # profiler warm-up + 2 recorded: not the shapes step that never came
+
+
+def test_without_the_sync_detector_no_torch_function_mode_is_active(tmp_path):
+    # kprof apply --compare's compile variants: torch.compile must not trace kprof's mode
+    script = tmp_path / "modes.py"
+    script.write_text(textwrap.dedent("""\
+        import torch
+        model = torch.nn.Linear(8, 8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        depths = []
+        for i in range(8):
+            depths.append(torch._C._len_torch_function_stack())
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+        open(__file__ + ".depths", "w").write(repr(depths))
+        """))
+    for detect, active in ((True, True), (False, False)):
+        r = run_script(str(script), [], RunConfig(warmup=1, steps=2, trace_dir=str(tmp_path), run_to_end=True,
+                                                  detect_syncs=detect))
+        assert r.status == "completed"
+        depths = eval((tmp_path / "modes.py.depths").read_text())
+        assert any(depths) is active, depths

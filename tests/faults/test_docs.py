@@ -1,0 +1,47 @@
+"""docs/faults.md is the fault list of tests/faults/faultkit.py, and every fault in it is
+planted by a test here: the table cannot drift from what the suite checks.
+`KPROF_UPDATE_SNAPSHOTS=1 python -m pytest tests/faults/test_docs.py` rewrites the table."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from faultkit import FAULTS, REPO
+
+DOC = REPO / "docs" / "faults.md"
+HEAD = """# Faults kprof is tested against
+
+Each row is a fault planted by the fault suite (`tests/faults/`, CPU, run by CI), what kprof
+says (a phrase of its one-line error or warning) and its exit code. Every planted fault also
+checks that kprof prints no traceback of its own, that the user's files are byte-identical
+afterwards, that the other runs still load, and that partial results are kept and marked. The
+table is generated from `tests/faults/faultkit.py` (`FAULTS`), and `tests/faults/test_docs.py`
+fails when the two differ. Exit codes: 0 ok; 1 the user's script failed; 2 bad input to
+kprof; 3 a patch failed verification under `--strict`; 130 interrupted (Ctrl-C or SIGTERM).
+
+| fault | kprof says | exit code |
+|---|---|---|
+"""
+
+
+def table() -> str:
+    rows = [f"| {f.fault} | {f.says if f.says.startswith('(') else '`' + f.says + '`'} | {f.code} |"
+            for f in FAULTS.values()]
+    return HEAD + "\n".join(rows) + "\n"
+
+
+def test_docs_table_is_the_fault_list():
+    want = table()
+    if os.environ.get("KPROF_UPDATE_SNAPSHOTS") == "1":
+        DOC.write_text(want)
+    assert DOC.read_text() == want, "docs/faults.md is stale: KPROF_UPDATE_SNAPSHOTS=1 rewrites it"
+
+
+def test_every_fault_is_planted():
+    assert len(FAULTS) >= 25
+    here = Path(__file__).parent
+    text = "\n".join(p.read_text() for p in here.glob("test_*.py") if p.name != Path(__file__).name)
+    planted = set(re.findall(r'"([a-z0-9_]+)"', text))
+    assert not set(FAULTS) - planted, f"faults with no test: {sorted(set(FAULTS) - planted)}"
