@@ -248,8 +248,8 @@ def test_a_script_that_fails_and_a_script_with_nothing_to_patch(tmp_path):
     profile_script(str(plain), [], warmup=1, steps=2, out_root=root)
     with pytest.raises(KprofError, match="--variants kprof: nothing to patch"):
         compare(str(plain), variants="kprof", out_root=root)
-    # Explicit ids with nothing to apply are an error too (not a skip).
-    with pytest.raises(KprofError, match="has no suggestions: nothing to apply"):
+    # Explicit ids the plan lacks are an error too (not a skip); the plan has only the optimizer.
+    with pytest.raises(KprofError, match="layer_norm not in the plan .* its suggestions are: unfused_optimizer"):
         compare(str(plain), variants="eager,kprof", patch="layer_norm", out_root=root)
 
 

@@ -238,8 +238,8 @@ def test_host_bound_step_marks_every_kernel_row(gpt_run, tmp_path):
         assert r["confidence"] == "low"
         assert "GPU busy only 23% of the step (1.22 of 5.27 ms" in r["caveat"] and "host-bound" in r["caveat"]
         assert "reduce-overhead" in r["caveat"]
-    # the GPU-time savings are kept as they are
-    assert hb["saving ms/step"].tolist() == pytest.approx(gpu["saving ms/step"].tolist())
+    # the GPU-time savings are kept as they are, within the step they are a part of (5.27 ms here)
+    assert hb["saving ms/step"].tolist() == pytest.approx([min(x, 5.27) for x in gpu["saving ms/step"]])
 
     # 95% busy: no caveat, the rules' own confidences
     assert gpu.attrs["host_bound"] is None and (gpu["caveat"] == "").all()
