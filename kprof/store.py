@@ -239,6 +239,66 @@ def _gzip_copy(src: Path, dst: Path) -> None:
         shutil.copyfileobj(fi, fo, length=1 << 20)
 
 
+# Files kprof writes for the user outside the run store (`apply --write`, `report --html`): never
+# clobbered silently.
+
+
+def check_write_target(path: Path, script: str | None = None, *, force: bool = False, option: str = "--write",
+                       example: str = "keep_patches.py") -> None:
+    """Refuse an output file before any work starts: a folder, a path that can't be written, or an
+    existing file (unless `force`: then write_keep_file keeps a backup). `option` is the flag that
+    named the file and `example` a file name to suggest, both for the messages."""
+    if str(path) == "-":
+        return
+    if path.is_dir():
+        raise KprofError(f"{option} {path} is a folder; pass a file path such as {path / example}")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise KprofError(f"{option} {path}: the folder {parent} does not exist; create it or pass another path")
+    try:  # the one sure test of writability (permissions, read-only mounts, immutable folders)
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        raise KprofError(f"{option} {path}: cannot write in {parent} ({e.strerror or e}); pass a writable path") from None
+    if path.exists() or path.is_symlink():
+        mine = script is not None and path.resolve() == Path(script).resolve()
+        if not force:
+            raise KprofError(f"{option} {path} exists{' and is the training script itself' if mine else ''}; pass a new "
+                             f"file name, or add --force to replace it (the old file is kept as {backup_name(path)})")
+        if not os.access(path, os.W_OK) or not path.is_file():
+            raise KprofError(f"{option} {path} exists and is not a writable file; pass another path")
+
+
+def backup_name(path: Path) -> Path:
+    """FILE.bak, or FILE.bak.1, .2, ... when that exists: an earlier backup is never overwritten."""
+    bak = path.with_name(path.name + ".bak")
+    i = 1
+    while bak.exists() or bak.is_symlink():
+        bak = path.with_name(f"{path.name}.bak.{i}")
+        i += 1
+    return bak
+
+
+def write_keep_file(path: Path, text: str) -> Path | None:
+    """Write `text` to `path` whole or not at all (a temporary file renamed over it); an existing
+    file is first copied to backup_name(path), which is returned."""
+    bak = None
+    if path.exists():
+        bak = backup_name(path)
+        shutil.copy2(path, bak)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".kprof-tmp", dir=path.parent if str(path.parent) else ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        if bak is not None:
+            shutil.copymode(bak, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return bak
+
+
 def jsonable(v: Any) -> Any:
     """Plain JSON types: numpy scalars/arrays to Python, NaN/inf to None, Paths to str."""
     if v is None or isinstance(v, (bool, str)):

@@ -245,16 +245,18 @@ def _aggregate(ops: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     ).reset_index()
 
 
-def top_ops(ops: pd.DataFrame, n_steps: int, k: int = 20, ceilings: Ceilings | None = None,
-            idle: pd.DataFrame | None = None, plain_ms: float | None = None) -> pd.DataFrame:
-    """The k ops with the most device time, grouped by (module, op, shapes, dtype).
+def top_ops(ops: pd.DataFrame, n_steps: int, k: int | None = 20, ceilings: Ceilings | None = None,
+            idle: pd.DataFrame | None = None, plain_ms: float | None = None,
+            keys: Sequence[str] = ("module", "op", "shapes", "dtype")) -> pd.DataFrame:
+    """The k ops with the most device time (all of them with k=None), grouped by `keys`: (module,
+    op, shapes, dtype) by default; the HTML report's roofline groups by (module, op).
 
     Columns: module, op, shapes, dtype, time/step (ms), % of step, calls/step, TFLOP/s, GB/s,
     intensity (FLOP/B), attainable/step (ms), % of roofline, class. With `ceilings` the class is
     recomputed on the group's totals (time per launch, intensity); without, it is the class most
     of the group's time has. % of step: of step_basis's step if `idle` is given (the unprofiled
     step's median `plain_ms` when given), else of the summed op time per step."""
-    keys = ["module", "op", "shapes", "dtype"]
+    keys = list(keys)
     cols = keys + ["time/step (ms)", "% of step", "calls/step", "TFLOP/s", "GB/s", "intensity (FLOP/B)",
                    "attainable/step (ms)", "% of roofline", "class"]
     if ops.empty:
@@ -262,7 +264,8 @@ def top_ops(ops: pd.DataFrame, n_steps: int, k: int = 20, ceilings: Ceilings | N
     n = max(int(n_steps), 1)
     step_us = _step_us(ops, n, idle, plain_ms)
     g = _aggregate(ops, keys)
-    g = g.sort_values("time", ascending=False, kind="stable").head(k).copy()
+    g = g.sort_values("time", ascending=False, kind="stable")
+    g = (g if k is None else g.head(k)).copy()
     known = g["known"].to_numpy(bool)
     with np.errstate(divide="ignore", invalid="ignore"):
         secs = g["time"].to_numpy() * 1e-6

@@ -279,6 +279,10 @@ def runs(
             console.print(Text(r["error"], style="red"))
 
 
+# `--html` alone: the report goes into the run's folder (a name no user file would have).
+DEFAULT_HTML = "<run>/report.html"
+
+
 @app.command("report")
 def report_cmd(
     run: Annotated[Optional[str], typer.Argument(help="Run directory or name; default: the latest.")] = None,
@@ -288,11 +292,20 @@ def report_cmd(
     kernels: Annotated[bool, typer.Option("--kernels", help="Show the top kernels (every kernel is its "
                                           "own row) and, after `profile --ncu`, ncu's counters beside "
                                           "kprof's class, instead of the per-op report.")] = False,
+    html: Annotated[Optional[str], typer.Option(
+        "--html", metavar="[FILE]",
+        help="Write a self-contained HTML report (roofline, classes, top ops, syncs, suggestions; "
+             "no network needed to view it) to FILE, default <run>/report.html.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Let --html replace an existing file (kept as FILE.bak, "
+                                        "or the next free FILE.bak.N).")] = False,
 ) -> None:
     """Show a saved run's report again."""
     from kprof.cli import render as report
 
     r = store.load_run(run, out)
+    if html is not None:
+        _write_html(r, html, force=force, json_out=json_out)
+        return
     if memory:
         if json_out:
             print_json({"run": r.name, "memory": r.summary.get("memory")})
@@ -319,6 +332,60 @@ def report_cmd(
 
         console.print()
         render_compare(CompareResult.from_dict(load_compare(r.path)), console)
+
+
+def _write_html(r: store.Run, html: str, *, force: bool, json_out: bool) -> None:
+    """`kprof report --html`: the report of what the run has; a missing or corrupt op table,
+    trace or plan is named in the page (and on stderr), never an error."""
+    from kprof.analyze.report import report_data
+    from kprof.cli.html import render_html
+
+    path = Path(r.path) / "report.html" if html == DEFAULT_HTML else Path(html)
+    store.check_write_target(path, force=force, option="--html", example="report.html")
+    missing: list[str] = []
+    try:
+        ops = store.load_ops(r.path)
+    except KprofError as e:  # the summary's own tables still make a report
+        ops = None
+        missing.append(f"op table: {e}; the roofline needs it")
+    missing += _trace_problem(Path(r.path))
+    try:
+        plan = store.read_json(r.path, store.PLAN)
+        if plan is None:
+            missing.append(f"{store.PLAN}: no suggestions yet; run `kprof suggest {r.name}`")
+    except KprofError as e:
+        plan = None
+        missing.append(f"{store.PLAN}: {e}")
+    trace = Path(r.path) / store.TRACE
+    text = render_html(report_data(r.summary, ops, plan, run_name=r.name, missing=missing,
+                                   trace_path=str(trace) if trace.is_file() else None))
+    bak = store.write_keep_file(path, text)
+    if json_out:
+        print_json({"run": r.name, "html": str(path), "backup": str(bak) if bak else None, "missing": missing})
+        return
+    for m in missing:
+        err_console.print(Text(f"missing: {m}", style="yellow"))
+    console.print(Text(f"report {path}" + (f" (the old file kept as {bak})" if bak else "")))
+
+
+def _trace_problem(run_path: Path) -> list[str]:
+    """Why the run's trace can't be opened, or nothing. Only the start is read: a GPU trace can be
+    hundreds of MB, and a file that isn't gzip'd JSON shows in its first bytes; a trace cut short
+    at its end is not caught here (Perfetto will say so)."""
+    import gzip
+    import zlib
+
+    p = run_path / store.TRACE
+    if not p.is_file():
+        return [f"{store.TRACE}: the run has no trace, so no timeline to open in https://ui.perfetto.dev"]
+    try:
+        with gzip.open(p, "rb") as f:
+            head = f.read(4096).lstrip()
+    except (OSError, EOFError, zlib.error) as e:
+        return [f"{store.TRACE} is corrupt ({e}); the timeline can't be opened"]
+    if not head.startswith(b"{"):
+        return [f"{store.TRACE} is corrupt (not a JSON trace); the timeline can't be opened"]
+    return []
 
 
 @app.command()
@@ -349,6 +416,19 @@ from kprof.cli import patch_cmds as cli_patch
 cli_patch.register(app)
 
 
+def html_default(argv: list[str]) -> list[str]:
+    """`kprof report --html` with no FILE (last, or followed by another option) gets DEFAULT_HTML:
+    typer has no options with an optional value, so main() fills it in before parsing."""
+    if next((a for a in argv if not a.startswith("-")), None) != "report":
+        return argv
+    out = []
+    for i, a in enumerate(argv):
+        out.append(a)
+        if a == "--html" and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
+            out.append(DEFAULT_HTML)
+    return out
+
+
 def _on_sigterm(signum, frame) -> None:
     # SIGTERM (a job scheduler, `kill`) takes the Ctrl-C path: the runner keeps the steps
     # recorded so far, and the command ends with exit code 130 saying what was kept.
@@ -363,6 +443,7 @@ def main(argv: list[str] | None = None) -> None:
     import signal
     import threading
 
+    argv = html_default(list(sys.argv[1:] if argv is None else argv))
     restore = None
     if threading.current_thread() is threading.main_thread():
         restore = signal.signal(signal.SIGTERM, _on_sigterm)

@@ -389,7 +389,8 @@ def apply_cmd(
         raise KprofError("--write - prints the lines on stdout, where --json puts its document; "
                          "write them to a file instead (--write keep.py)", exit_code=2)
     from kprof.errors import INTERRUPTED
-    from kprof.patching.apply import apply, check_write_target, write_keep_file
+    from kprof.patching.apply import apply
+    from kprof.store import check_write_target, write_keep_file
 
     if write is not None:  # checked before the run, not after it
         check_write_target(write, str(script), force=force)
