@@ -60,6 +60,8 @@ JS = """
     });
     c.addEventListener('mouseleave',function(){tip.style.display='none';});
   });
+  // Reached only if nothing above threw: the browser test reads it from the rendered DOM.
+  document.body.setAttribute('data-kprof-ready',String(document.querySelectorAll('circle.pt').length));
 })();
 """
 

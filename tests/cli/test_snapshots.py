@@ -57,17 +57,23 @@ def _raw(**kw):
     return RawRun(**(fields | kw))
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
+def analysed_run(cache_dir: Path) -> tuple[dict, pd.DataFrame]:
+    """The fixture run's summary and op table, by kprof's real analysis (also used by
+    test_html_report.py)."""
     from kprof.analyze.profile import analyse, build_summary
 
-    root = tmp_path_factory.mktemp("snap") / "runs"
     with pytest.MonkeyPatch.context() as mp:
         # No calibration cache of this machine: the CPU default ceilings, the same everywhere.
-        mp.setenv("KPROF_CACHE_DIR", str(root.parent / "cache"))
+        mp.setenv("KPROF_CACHE_DIR", str(cache_dir))
         raw = _raw()
         ops, analysed = analyse(raw)
-        summary = build_summary(raw, analysed)
+        return build_summary(raw, analysed), ops
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("snap") / "runs"
+    summary, ops = analysed_run(root.parent / "cache")
     store.save_run(summary, ops, None, root=root, name=RUN)
     failed = summary | {"status": "error", "exit_code": 3,
                         "error": "Traceback (most recent call last):\n  ...\nValueError: boom"}
