@@ -20,8 +20,8 @@ from kprof import store
 CLASS_COLOUR = {"compute-bound": "#2e9e44", "memory-bound": "#1f8fb4", "latency-bound": "#b03fb0",
                 "communication": "#3454c4", "idle": "#c43c3c", "unknown": "#888888"}
 
-W, H = 760, 460  # the roofline's SVG size (px)
-ML, MR, MT, MB = 64, 110, 16, 48  # its margins: room for the axis labels and the ceilings' names
+W, H = 700, 460  # the roofline's SVG size (px)
+ML, MR, MT, MB = 64, 16, 16, 48  # its margins: room for the axis labels
 
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1100px;color:#222;padding:0 16px}
@@ -133,7 +133,12 @@ def roofline_svg(data: dict) -> str:
                f'achieved TFLOP/s</text>')
     # The ceilings, clipped to the plot: min(bw x I, peak) per dtype peak.
     out.append(f'<clipPath id="plot"><rect x="{ML}" y="{MT}" width="{pw}" height="{ph}"/></clipPath>')
-    for name, peak in sorted(peaks.items(), key=lambda kv: kv[1]):
+    # Dtypes with the same peak share one line and one label (a CPU's fp32 and bf16, say).
+    same: dict[float, list[str]] = {}
+    for name, peak in peaks.items():
+        same.setdefault(peak, []).append(name)
+    for peak, names in sorted(same.items()):
+        name = ", ".join(names)
         if bw:
             ridge = peak * 1e3 / bw
             path = (f"M{sx(x0):.1f},{sy(max(bw * x0 / 1e3, y0 / 10)):.1f} L{sx(ridge):.1f},{sy(peak):.1f} "
@@ -141,7 +146,7 @@ def roofline_svg(data: dict) -> str:
         else:
             path = f"M{sx(x0):.1f},{sy(peak):.1f} L{sx(x1):.1f},{sy(peak):.1f}"
         out.append(f'<path class="ceil" clip-path="url(#plot)" d="{path}"/>'
-                   f'<text x="{ML + pw + 4}" y="{sy(peak) + 4:.1f}">{_e(name)} {_sig(peak)} TFLOP/s</text>')
+                   f'<text x="{ML + pw - 4}" y="{sy(peak) - 5:.1f}" text-anchor="end">{_e(name)} {_sig(peak)} TFLOP/s</text>')
     if bw:
         out.append(f'<text x="{ML + 4}" y="{MT + ph - 6}">memory {_sig(bw)} GB/s</text>')
     tmax = max([p["ms_per_step"] for _, p in pts] or [1.0]) or 1.0
@@ -167,7 +172,7 @@ def _table(head: list[str], rows: list[list[str]], numeric: set[int] = frozenset
 def _header(d: dict) -> str:
     h = d["header"]
     rows = [("run", d["run"]), ("script", h["script"]),
-            ("status", f"{h['status'] or '?'}  {h['status_note'] or ''}".strip()),
+            ("status", " · ".join(x for x in (h["status"] or "?", h["status_note"]) if x)),
             ("device", f"{h['device'] or '?'} ({h['device_type'] or '?'})"),
             ("step", h["step_definition"] or "?")]
     if h["step_ms"] is not None:
@@ -266,8 +271,9 @@ def render_html(d: dict) -> str:
             + legend + svg + _points_note(d)) if svg else "<p>no roofline: no op table or no ceilings</p>"
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>kprof report · {_e(d["run"])}</title>'
             f'<meta name="viewport" content="width=device-width,initial-scale=1"><style>{CSS}</style></head><body>'
-            f'<h1>kprof report · {_e(d["run"])}</h1>{banner}{missing}{_header(d)}'
-            f"<h2>Roofline</h2>{roof}<h2>Time per class (per step)</h2>{_classes(d)}"
+            f'<h1>kprof report · {_e(d["run"])}</h1>{banner}{missing}'
+            # The roofline first: it is what the page is for; the run's details follow it.
+            f"<h2>Roofline</h2>{roof}<h2>Run</h2>{_header(d)}<h2>Time per class (per step)</h2>{_classes(d)}"
             f"<h2>Top ops by time</h2>{_top_ops(d)}<h2>Host syncs</h2>{_syncs(d)}"
             f"<h2>Suggestions</h2>{_suggestions(d)}"
             f'<div id="tip"></div><script type="application/json" id="kprof-data">{blob}</script>'
