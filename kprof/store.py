@@ -292,6 +292,10 @@ def write_keep_file(path: Path, text: str) -> Path | None:
             f.write(text)
         if bak is not None:
             shutil.copymode(bak, tmp)
+        else:  # mkstemp's file is private (0600); a new file gets the usual mode (0666 less the umask)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

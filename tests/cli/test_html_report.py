@@ -9,6 +9,7 @@ points. The browser test opens it in headless Chromium and is skipped where none
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from html.parser import HTMLParser
@@ -143,8 +144,10 @@ def test_default_file_and_force_keeps_a_backup(root, tmp_path):
         cli.main(["report", str(run), "--html", "--out", str(tmp_path)])
     assert (e.value.code or 0) == 0
     out = run / "report.html"
-    first = out.read_text()
-    assert "kprof-data" in first
+    assert "kprof-data" in out.read_text()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # a page to share, not a private temp file
     out.write_text("the user's own edits")
     code, _ = _html(tmp_path, run, out)
     assert code == 2 and out.read_text() == "the user's own edits"
@@ -190,6 +193,25 @@ def test_corrupt_trace_and_no_plan_are_named(root, tmp_path):
     assert page.points == _placed(page)  # the op table is intact: the roofline is drawn
 
 
+def test_points_add_up_to_the_op_table(root, tmp_path):
+    """Each point's time and intensity recomputed here from ops.parquet (pyarrow, not kprof)."""
+    code, page = _html(root, root / RUN, tmp_path / "r.html")
+    assert code == 0 and page is not None
+    rows = pq.read_table(root / RUN / "ops.parquet", columns=["module", "op", "device_time (us)", "flops", "bytes"])
+    n_steps = json.loads((root / RUN / "summary.json").read_text())["steps_recorded"]
+    sums: dict[tuple, list[float]] = {}
+    for r in rows.to_pylist():
+        s = sums.setdefault((r["module"], r["op"]), [0.0, 0.0, 0.0])
+        s[0] += r["device_time (us)"] or 0.0
+        s[1] += r["flops"] or 0.0
+        s[2] += r["bytes"] or 0.0
+    for p in page.data()["points"]:
+        t, f, b = sums[(p["module"], p["op"])]
+        assert p["ms_per_step"] == pytest.approx(t / n_steps / 1e3), p
+        if p["placed"]:
+            assert p["intensity"] == pytest.approx(f / b) and p["tflops"] == pytest.approx(f / (t * 1e-6) / 1e12), p
+
+
 def _placed(page: Page) -> int:
     return sum(p["placed"] for p in page.data()["points"])
 
@@ -212,18 +234,26 @@ def test_in_headless_chromium(root, tmp_path):
     """The page as a browser runs it: the script ends without an error (it marks the body last)
     and the rendered SVG has one point per placed op group. KPROF_SCREENSHOT=PATH also saves a
     1280x800 screenshot there (docs/report.png is made so)."""
-    import os
-
     out = tmp_path / "r.html"
     code, page = _html(root, root / RUN, out)
     assert code == 0 and page is not None
     flags = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
              f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0"]
-    res = subprocess.run([*flags, "--dump-dom", out.as_uri()], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr[-2000:]
-    errors = [ln for ln in res.stderr.splitlines() if "CONSOLE" in ln and ("Error" in ln or "Uncaught" in ln)]
-    assert not errors, errors
-    dom = Page(res.stdout)
+
+    def dump(url: str) -> tuple[str, list[str]]:
+        """The rendered DOM and every console line. Chromium logs console.error and uncaught
+        exceptions alike as INFO:CONSOLE, and the page logs nothing, so any such line fails."""
+        res = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr[-2000:]
+        return res.stdout, [ln for ln in res.stderr.splitlines() if ":CONSOLE" in ln]
+
+    # The check can see an error: a page that throws is caught.
+    bad = tmp_path / "bad.html"
+    bad.write_text("<!DOCTYPE html><html><body><script>throw new Error('planted')</script></body></html>")
+    assert any("planted" in ln for ln in dump(bad.as_uri())[1])
+    html, console = dump(out.as_uri())
+    assert not console, console
+    dom = Page(html)
     assert dom.body_attrs.get("data-kprof-ready") == str(_placed(page)), dom.body_attrs
     assert dom.points == _placed(page) > 0
     shot = os.environ.get("KPROF_SCREENSHOT")
