@@ -458,6 +458,10 @@ def patch(
             rec.status, rec.note = "declined", m.params["untraceable"]
             report.declined.append(rec)
             continue
+        if "declined" in m.params:  # recognised, but the rule can't patch it exactly (rules/moe_fused.py)
+            rec.status, rec.note = "declined", m.params["declined"]
+            report.declined.append(rec)
+            continue
         if on_cpu and not interpreter_enabled() and m.rule.kernels:
             cuda_only = [k for k in m.rule.kernels if (s := kernel_spec(k)) is not None and s.cuda_only]
             rec.note = ("CPU without the Triton interpreter: the kernel runs its PyTorch reference"
