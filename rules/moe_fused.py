@@ -281,6 +281,26 @@ def plan(path: str, m: nn.Module) -> tuple[dict | None, str | None]:
     return {**p, "moe": d}, None
 
 
+def _fused_routing(logits: torch.Tensor, k: int, score: str, renorm: bool):
+    """The patched forward's routing (a seam for the tests, which break it on purpose)."""
+    return kernel_fn(ROUTER)(logits, k, score, renorm)
+
+
+def check(m: nn.Module, p: dict, args: tuple, kwargs: dict) -> tuple[bool, str] | None:
+    """Rule.check at each verification on the real input: the block's own top-k against the
+    fused router's (routing_check), besides the outputs and grads verify_call compares."""
+    if "moe" not in p:
+        return None
+    x = args[0] if args else next(iter(kwargs.values()), None)
+    if not isinstance(x, torch.Tensor):
+        return None
+    dtype = x.dtype
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+    why = _routing_agrees(m, p["moe"], p, x.detach(), dtype)
+    return (True, "routing agrees where decided") if why is None else (False, why)
+
+
 def _routing_agrees(m: nn.Module, d: dict, p: dict, x: torch.Tensor, dtype) -> str | None:
     """The block's own top-k against `moe_router` on the same logits (routing_check)."""
     rec = _TopK(d["num_experts"])
@@ -291,7 +311,7 @@ def _routing_agrees(m: nn.Module, d: dict, p: dict, x: torch.Tensor, dtype) -> s
             return "the block's top-k over the experts was not seen on the probe"
         scores, w_ref, idx_ref = rec.last
         weight, bias = _router(m, d)
-        r = kernel_fn(ROUTER)(F.linear(x.reshape(-1, d["hidden"]), weight, bias), d["top_k"], p["score"], p["renorm"])
+        r = _fused_routing(F.linear(x.reshape(-1, d["hidden"]), weight, bias), d["top_k"], p["score"], p["renorm"])
     if scores.shape[0] != r.indices.shape[0]:
         return None  # a top-k over another layout (e.g. batched): the output probe already agreed
     w_ref = w_ref.float()  # the picked scores; the block's weights follow from them
@@ -325,6 +345,7 @@ RULE = Rule(
     replace=replace,
     # The router's top-k runs in the block (or its router child); expert matmuls in the children.
     profile=ProfilePattern(own_any=("topk",), child_linear=0, evidence=("*",)),
+    check=check,
     change="kprof moe_router + moe_permute + torch._grouped_mm SwiGLU experts + moe_unpermute (no host sync)",
     confidence="medium",
 )

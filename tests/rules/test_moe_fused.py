@@ -198,3 +198,26 @@ def test_routing_check_tie_width_is_the_dtypes_tolerance():
     w = torch.tensor([[0.6, 0.4]])
     assert not moe_fused.routing_check(scores, a, w, b, w, 2, torch.float32)[0]
     assert moe_fused.routing_check(scores, a, w, b, w, 2, torch.bfloat16)[0]
+
+
+def test_first_call_verification_compares_the_routing(monkeypatch):
+    """The routing check is part of the first-call verification: passing on a correct patch,
+    failing it (strict: an error, the original code kept) when the fused routing picks other
+    experts than the block's own top-k."""
+    from kprof.errors import KprofError
+
+    torch.manual_seed(0)
+    block = LoopMoE()
+    x = torch.randn(2, 6, HIDDEN)
+    report = kprof.patch(block, rules=[moe_fused.ID], strict=True)
+    block(x)
+    checks = [c for c in report.records[0].verification.checks if c.metric == "exact"]
+    assert [c.ok for c in checks] == [True] and "routing agrees" in str(checks[0])
+    report.unpatch()
+
+    report = kprof.patch(block, rules=[moe_fused.ID], strict=True)
+    route = moe_fused._fused_routing  # broken after matching: the match probe checks it too
+    monkeypatch.setattr(moe_fused, "_fused_routing", lambda logits, *a: route(-logits, *a))  # the k lowest
+    with pytest.raises(KprofError, match="chose other experts"):
+        block(x)
+    assert report.records[0].status == "reverted" and "forward" not in block.__dict__
