@@ -44,7 +44,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from kprof.rules import gated_mlp, moe
-from kprof.rules.engine import ProfilePattern, Rule, behaves_like, kernel_fn, param_like, probe_error, probe_input
+from kprof.rules.engine import (ProfilePattern, Rule, behaves_like, kernel_fn, param_like, probe_error, probe_input,
+                               reference_fn)
 
 ID = "moe_fused"
 ROUTER, PERMUTE, UNPERMUTE, EXPERTS = ("moe_router:moe_router", "moe_permute:moe_permute",
@@ -182,9 +183,12 @@ def _router(m: nn.Module, d: dict):
     return weight, bias
 
 
-def build(m: nn.Module, d: dict, p: dict):
-    """The fused forward for match params `p` (score, renorm, layout, up_first, shared)."""
-    route, permute, unpermute, experts = (kernel_fn(r) for r in (ROUTER, PERMUTE, UNPERMUTE, EXPERTS))
+def build(m: nn.Module, d: dict, p: dict, reference: bool = False):
+    """The fused forward for match params `p` (score, renorm, layout, up_first, shared); with
+    `reference`, over the kernels' eager references (the match probe's candidates: the Triton
+    interpreter on a CPU costs seconds a candidate)."""
+    get = reference_fn if reference else kernel_fn
+    route, permute, unpermute, experts = (get(r) for r in (ROUTER, PERMUTE, UNPERMUTE, EXPERTS))
     weight, bias = _router(m, d)
     wfn = dict(_expert_weights(m, d)[0])[p["layout"]]
     shared = dict(_shared(m, d)[0])[p["shared"]]
@@ -259,7 +263,7 @@ def plan(path: str, m: nn.Module) -> tuple[dict | None, str | None]:
                 for renorm in renorms:
                     for sh, _ in shared:
                         p = {"layout": layout, "up_first": up_first, "score": score, "renorm": renorm, "shared": sh}
-                        cands[tuple(p.items())] = build(m, d, p)
+                        cands[tuple(p.items())] = build(m, d, p, reference=True)
     best, best_err = None, float("inf")
     for key, fn in cands.items():
         if behaves_like(lambda: m(x), lambda fn=fn: fn(x), dtype):
@@ -270,7 +274,9 @@ def plan(path: str, m: nn.Module) -> tuple[dict | None, str | None]:
         return None, ("the block's output is not top-k routing over SwiGLU experts with a weighted sum "
                       "(non-SwiGLU experts, or another combine)")
     p = dict(best)
-    fused = cands[best]
+    fused = build(m, d, p)  # the kernels themselves, on the same probe and the skewed one below
+    if not behaves_like(lambda: m(x), lambda: fused(x), dtype):
+        return None, "the fused kernels disagree with the block on the probe (a kernel fault)"
     # Every token alike: all go to the same k experts, so any capacity below T drops tokens.
     same = x[:, :1].expand_as(x).contiguous()
     if not behaves_like(lambda: m(same), lambda: fused(same), dtype):

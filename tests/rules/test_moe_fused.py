@@ -114,9 +114,11 @@ def test_router_jitter_declined():
 
 
 class _CapacityMoE(LoopMoE):
-    """LoopMoE that keeps at most `cap` tokens per expert (a capacity factor): the rest dropped."""
+    """LoopMoE that keeps at most `cap` tokens per expert (a capacity factor): the rest dropped.
+    40 of the probe's 48 tokens: never reached by a random router (16 a expert on average), always
+    when every token picks the same experts."""
 
-    cap = 3
+    cap = 40
 
     def forward(self, x):
         shape = x.shape
@@ -135,7 +137,7 @@ class _CapacityMoE(LoopMoE):
 def test_capacity_factor_declined():
     torch.manual_seed(0)
     _, why = moe_fused.plan("", _CapacityMoE())
-    assert why is not None and ("capacity" in why or "not top-k routing" in why)
+    assert why is not None and "capacity" in why
 
 
 class _Syncs(TorchFunctionMode):
@@ -200,6 +202,7 @@ def test_routing_check_tie_width_is_the_dtypes_tolerance():
     assert moe_fused.routing_check(scores, a, w, b, w, 2, torch.bfloat16)[0]
 
 
+@pytest.mark.slow
 def test_first_call_verification_compares_the_routing(monkeypatch):
     """The routing check is part of the first-call verification: passing on a correct patch,
     failing it (strict: an error, the original code kept) when the fused routing picks other
