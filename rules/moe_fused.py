@@ -349,8 +349,10 @@ RULE = Rule(
     kernels=(ROUTER, PERMUTE, UNPERMUTE, EXPERTS),
     match=match,
     replace=replace,
-    # The router's top-k runs in the block (or its router child); expert matmuls in the children.
-    profile=ProfilePattern(own_any=("topk",), child_linear=0, evidence=("*",)),
+    # Never matches an op table: the profile side is the `moe_fused` diagnosis (rules/diagnoses/
+    # moe.py), which finds MoE blocks from the recorded top-k and routing facts (an own-op pattern
+    # would flag every module that calls topk, and HF runs it in the router child, not the block).
+    profile=ProfilePattern(own_all=("topk",), own_none=("topk",)),
     check=check,
     change="kprof moe_router + moe_permute + torch._grouped_mm SwiGLU experts + moe_unpermute (no host sync)",
     confidence="medium",
