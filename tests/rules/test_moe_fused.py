@@ -224,3 +224,26 @@ def test_first_call_verification_compares_the_routing(monkeypatch):
     with pytest.raises(KprofError, match="chose other experts"):
         block(x)
     assert report.records[0].status == "reverted" and "forward" not in block.__dict__
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["loop", "mixtral", "qwen2_moe"])
+def test_patched_block_makes_no_host_sync_on_gpu(arch):
+    """On the GPU the sync detector of torch itself: the patched forward and backward, after its
+    first (verified) call, raise under set_sync_debug_mode("error") if anything reads back."""
+    if arch == "loop":
+        torch.manual_seed(0)
+        block = LoopMoE()
+    else:
+        block = _blocks(hf_model(arch))[-1][1]
+    block = block.cuda().to(torch.bfloat16)
+    report = kprof.patch(block, rules=[moe_fused.ID], strict=True)
+    x = torch.randn(4, 64, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    block(x)  # the first call verifies (the original code syncs)
+    assert report.records[0].status == "verified"
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        block(x).float().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
