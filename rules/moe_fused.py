@@ -36,8 +36,6 @@ between the block's own top-k and `moe_router` on the same logits.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -45,7 +43,7 @@ from torch.overrides import TorchFunctionMode
 
 from kprof.rules import gated_mlp, moe
 from kprof.rules.engine import (ProfilePattern, Rule, behaves_like, kernel_fn, param_like, probe_error, probe_input,
-                               reference_fn)
+                               probe_mode, reference_fn)
 
 ID = "moe_fused"
 ROUTER, PERMUTE, UNPERMUTE, EXPERTS = ("moe_router:moe_router", "moe_permute:moe_permute",
@@ -215,13 +213,19 @@ def build(m: nn.Module, d: dict, p: dict, reference: bool = False):
 
 def _random_in_training(m: nn.Module, x: torch.Tensor) -> bool:
     """The forward gives different outputs for two RNG seeds in training mode (router jitter or
-    noise, dropout). Run on a deep copy so the model's mode and buffers are untouched."""
-    c = copy.deepcopy(m).train()
+    noise, dropout). Each submodule's mode is put back after; no copy of the block (at Mixtral
+    size a copy is gigabytes of expert weights on the GPU). Forked RNG: the script's stream stays."""
+    modes = [(c, c.training) for c in m.modules()]
+    m.train()
     outs = []
-    for seed in (0, 1):
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.manual_seed(seed)
-            outs.append(c(x.clone()))
+    try:
+        for seed in (0, 1):
+            with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []), probe_mode():
+                torch.manual_seed(seed)
+                outs.append(m(x.clone()))  # a clone: jitter multiplies its input in place (HF Mixtral)
+    finally:
+        for c, mode in modes:
+            c.training = mode
     return not torch.equal(outs[0], outs[1])
 
 

@@ -109,8 +109,10 @@ def test_router_jitter_declined():
     model = hf_model("mixtral")
     _, block = _blocks(model)[-1]
     block.jitter_noise = 0.1  # what config.router_jitter_noise sets
+    block.eval()  # inactive in eval, but training will switch it on: probed in training mode
     _, why = moe_fused.plan("", block)
     assert why is not None and "random in training" in why
+    assert not any(c.training for c in block.modules())  # the probe put the modes back
 
 
 class _CapacityMoE(LoopMoE):
