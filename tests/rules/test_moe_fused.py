@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 import kprof
@@ -249,3 +250,39 @@ def test_patched_block_makes_no_host_sync_on_gpu(arch):
         block(x).float().sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+class _SigmoidStackedMoE(nn.Module):
+    """Stacked weights in the x @ W layout ([E, H, 2I] with UP first, [E, I, H]), a bare router
+    Parameter, sigmoid scores renormalised over the top-k; every expert computed densely, the
+    picked ones gathered. Unlike the HF blocks in layout, half order, score and dispatch."""
+
+    def __init__(self, dim: int = HIDDEN, n_experts: int = 4, k: int = 2, inter: int = 16):
+        super().__init__()
+        self.k = k
+        self.gate_w = nn.Parameter(torch.randn(n_experts, dim) * 0.2)
+        self.w_gu = nn.Parameter(torch.randn(n_experts, dim, 2 * inter) * 0.2)
+        self.w_down = nn.Parameter(torch.randn(n_experts, inter, dim) * 0.2)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        top, idx = torch.topk(torch.sigmoid(x @ self.gate_w.t()), self.k, dim=-1)
+        w = top / top.sum(-1, keepdim=True)
+        up, gate = torch.einsum("th,ehi->tei", x, self.w_gu).chunk(2, dim=-1)
+        y = torch.einsum("tei,eih->teh", F.silu(gate) * up, self.w_down)
+        y = y.gather(1, idx[..., None].expand(-1, -1, shape[-1]))
+        return (y * w[..., None]).sum(1).reshape(shape)
+
+
+@pytest.mark.slow
+def test_sigmoid_matmul_layout_up_first_patched():
+    torch.manual_seed(0)
+    params, why = moe_fused.plan("", _SigmoidStackedMoE())
+    assert why is None
+    assert (params["layout"], params["up_first"], params["score"], params["renorm"]) == (
+        "matmul layout", True, "sigmoid", True)
+    torch.manual_seed(0)
+    report, outs, grads = _patch_and_compare(_SigmoidStackedMoE(), torch.float32)
+    assert report.records[0].status == "verified"
+    _assert_close(outs, grads, torch.float32)
