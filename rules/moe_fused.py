@@ -137,7 +137,8 @@ def _expert_weights(m: nn.Module, d: dict) -> tuple[list, str | None]:
 
 
 def _halves(gu: torch.Tensor, up_first: bool) -> torch.Tensor:
-    """w_gate_up with the gate in the first I columns (swiglu_packed's layout)."""
+    """w_gate_up with the gate in the first I columns (swiglu_packed's layout). Up-first weights
+    are reordered by a cat: a copy of the gate_up weights each call (none for gate-first, HF's)."""
     if not up_first:
         return gu
     i = gu.shape[-1] // 2
