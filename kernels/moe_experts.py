@@ -47,14 +47,20 @@ def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> str | None:
     if not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no torch._grouped_mm"
     try:
-        x = torch.randn(3, 8, device=device_type, dtype=dtype, requires_grad=True)
-        w = torch.randn(2, 8, 8, device=device_type, dtype=dtype, requires_grad=True)
-        offs = torch.tensor([1, 3], dtype=torch.int32, device=device_type)
-        y = torch._grouped_mm(x, w, offs=offs)
-        y.backward(torch.ones_like(y))
-        return None
+        # enable_grad: the first caller may be under no_grad (a rule's match probe), and the cached
+        # answer would then say "no backward" for the whole process.
+        with torch.enable_grad():
+            return _probe_grouped_mm(device_type, dtype)
     except (RuntimeError, NotImplementedError) as e:
         return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _probe_grouped_mm(device_type: str, dtype: torch.dtype) -> None:
+    x = torch.randn(3, 8, device=device_type, dtype=dtype, requires_grad=True)
+    w = torch.randn(2, 8, 8, device=device_type, dtype=dtype, requires_grad=True)
+    offs = torch.tensor([1, 3], dtype=torch.int32, device=device_type)
+    y = torch._grouped_mm(x, w, offs=offs)
+    y.backward(torch.ones_like(y))
 
 
 def grouped_mm_backend(x: torch.Tensor, *weights: torch.Tensor) -> str:

@@ -6,12 +6,14 @@ inline patterns in a forward (torch.fx), attention, RoPE and the top-level loss.
 examples/custom_rules/) go before the built-ins, so they win.
 """
 
-from kprof.rules import attention, fx_inline, gated_mlp, layer_norm, linear_cross_entropy, linear_gelu, rms_norm, rope
+from kprof.rules import (attention, fx_inline, gated_mlp, layer_norm, linear_cross_entropy, linear_gelu, moe_fused,
+                         rms_norm, rope)
 from kprof.rules.engine import Match, ProfilePattern, Rule, find_matches, load_rules, select
 
 RULES: list[Rule] = [
     rms_norm.RULE,
     layer_norm.RULE,
+    moe_fused.RULE,  # before gated_mlp: a patched MoE block no longer calls its experts' forwards
     gated_mlp.RULE,
     linear_gelu.RULE,
     fx_inline.RULE,  # after the module rules: only code no module swap reaches

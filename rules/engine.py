@@ -125,6 +125,10 @@ class Rule:
     confidence: str = "high"  # how sure a profile-side match is the pattern: high|medium|low
     # Which outputs verification compares (default: every floating tensor in the output).
     outputs: Callable[[Any], Any] | None = None
+    # A check of the unit's internals beside its outputs and grads, at each verification on the
+    # real input: `check(module, params, args, kwargs)` -> (ok, what) or None (nothing to check).
+    # Calls of the module inside it run the original code (the MoE rule compares routings).
+    check: Callable[[nn.Module, dict, tuple, dict], tuple[bool, str] | None] | None = None
     # Namespace-level rules (a function in a model's Python module, e.g. apply_rotary_pos_emb)
     # find their own targets: `find(model)` -> [(path, namespace, attr, params)].
     find: Callable[[nn.Module], list[tuple[str, Any, str, dict]]] | None = None

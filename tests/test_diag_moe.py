@@ -35,7 +35,15 @@ def test_loop_moe_block_named_with_routing_facts(loop_run):
     assert set(MOE) <= set(rows)
     b = rows["moe_block"]
     assert b["where"] == "moe.* x 2" and not b["applyable"]
-    assert b["how"].startswith("no fused MoE patch yet") and "_grouped_mm" in b["how"]
+    assert b["how"].startswith("kprof apply --patch moe_fused") and "_grouped_mm" in b["how"]
+    # the apply-able row `kprof apply --patch moe_fused` finds in the plan
+    f = rows["moe_fused"]
+    assert f["applyable"] and f["how"].startswith("kprof apply --patch moe_fused") and f["paths"] == b["paths"]
+    from kprof.patching.install import check_rules
+    from kprof.plan.suggest import parse_ids
+
+    assert parse_ids("moe_fused", {"run": "r", "suggestions": [], "diagnoses": [dict(f)]}) == ["moe_fused"]
+    check_rules(["moe_fused"], None)  # a rule id kprof.patch knows
     assert b["source"] == f"{SCRIPTS / 'moe_loop.py'}:{_line('moe_loop.py', 'topk')}"
     for d in b["details"]:
         assert (d["num_experts"], d["top_k"], d["score"], d["dispatch"], d["shared_experts"]) == (

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from kprof.errors import PATCH_FAILED, KprofError
-from kprof.patching.verify import Verification, verify_call
+from kprof.patching.verify import Check, Verification, verify_call
 
 _MISSING = object()
 # The plan's id for switching a live optimizer to its fused step (the unfused_optimizer diagnosis);
@@ -143,6 +143,7 @@ class _Unit:
             v = verify_call(self._original_entry(), self._patched_entry(), args, kwargs,
                             [p for _, p in self.params], select=self.match.rule.outputs,
                             param_names=[n for n, _ in self.params], state=self.state)
+            self._rule_check(v, args, kwargs)
         except BaseException:
             self._install()
             raise
@@ -157,6 +158,19 @@ class _Unit:
             self._fail(v, f"verified at its first call, wrong at a new input shape ({shapes or '?'})")
         tgt, attr = self.entry
         return getattr(tgt, attr)(*args, **kwargs)
+
+    def _rule_check(self, v: Verification, args, kwargs) -> None:
+        """The rule's own check beside outputs and grads (Rule.check), added to `v`. Runs while
+        `busy`, so the module's calls inside it take the original code."""
+        check = self.match.rule.check
+        if check is None or not v.ok or not self.match.is_module:
+            return
+        got = check(self.match.target, self.match.params, args, kwargs)
+        if got is None:
+            return
+        ok, what = got
+        v.checks.append(Check(f"{self.record.rule}: {what}", "exact", 0.0 if ok else 1.0, 0.0, ok))
+        v.ok = v.ok and ok
 
     def _fail(self, v: Verification, note: str = "") -> None:
         """Reverted (the original code restored by the caller) and reported; fatal under strict."""
@@ -227,6 +241,7 @@ class _Unit:
             v = verify_call(self._original_entry(), self._patched_entry(), args, kwargs,
                             [p for _, p in self.params], select=self.match.rule.outputs,
                             param_names=[n for n, _ in self.params], state=self.state)
+            self._rule_check(v, args, kwargs)
         finally:
             self.busy = False
         self.record.verification = v
@@ -456,6 +471,10 @@ def patch(
         rec = PatchRecord(m.rule.id, m.path, m.source, params, module=m.is_module)
         if m.deferred and "untraceable" in m.params:  # said per module; nothing installed
             rec.status, rec.note = "declined", m.params["untraceable"]
+            report.declined.append(rec)
+            continue
+        if "declined" in m.params:  # recognised, but the rule can't patch it exactly (rules/moe_fused.py)
+            rec.status, rec.note = "declined", m.params["declined"]
             report.declined.append(rec)
             continue
         if on_cpu and not interpreter_enabled() and m.rule.kernels:

@@ -78,7 +78,7 @@ TRUTH_SANE = 0.5
 @dataclass
 class Check:
     what: str  # "output 0", "grad input 0", "grad weight"
-    metric: str  # "elementwise" | "rel-norm" | "vs-fp32" | "shape"
+    metric: str  # "elementwise" | "rel-norm" | "vs-fp32" | "shape" | "exact" (a rule's own check)
     error: float  # elementwise: worst |a-b| / (atol + rtol|b|); rel-norm: ||a-b||/||b||; vs-fp32: err(kprof)
     limit: float
     ok: bool
@@ -88,6 +88,8 @@ class Check:
         if self.metric == "vs-fp32":
             return (f"{self.what}: kprof {self.error:.2g} vs eager {self.baseline:.2g} from fp32 "
                     f"(limit {self.limit:.2g})")
+        if self.metric == "exact":  # a rule's own yes/no check (Rule.check): `what` says the result
+            return self.what
         return f"{self.what}: {self.metric} error {self.error:.3g} (limit {self.limit:.3g})"
 
 

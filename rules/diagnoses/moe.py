@@ -1,5 +1,7 @@
-"""Mixture-of-experts blocks in a profile (issue 21): the block itself (no fused MoE patch yet),
-host syncs in its routing, expert load imbalance and a Python loop over the experts.
+"""Mixture-of-experts blocks in a profile (issue 21): the block itself, host syncs in its routing,
+expert load imbalance and a Python loop over the experts; and the fused MoE patch
+(kprof.rules.moe_fused) as an apply-able row for the blocks it can patch, so that
+`kprof apply --patch moe_fused` finds it in the plan.
 
 Recognition, from the run alone (the live-model matcher is kprof.rules.moe): the shapes step
 records every `topk` with the module that ran it, the line that called it and how often each of
@@ -26,6 +28,7 @@ from kprof.analyze.costmodel import Cost
 from kprof.analyze.modules import MATMUL_OPS, group_paths, hits, op_base, roofline_us
 from kprof.rules.diagnoses.base import Diagnosis, Finding, n_steps
 from kprof.rules.diagnoses.manual_attention import arg_shapes
+from kprof.rules.moe_fused import ID as PATCH_ID
 
 MAX_EXPERTS = 4096  # above this a top-k is over a vocabulary (top-5 accuracy), not experts
 # Imbalance worth a finding: the busiest expert at 1.5x the mean load. Top-2 of 8 with a router
@@ -156,6 +159,47 @@ def _advice(dispatch: str) -> str:
             "grouped GEMM, or torch.compile the block")
 
 
+_PATCH_NOTE = (" (verified at its first call, routing included; on the live model it declines, with the reason, "
+               "experts that are not SwiGLU, token dropping and router noise in training)")
+
+
+def _why_not(b: dict) -> str | None:
+    """Why the fused patch can't take this block, as far as the profile shows; None: it may."""
+    if b.get("group_limited"):
+        return "group-limited routing (DeepSeek-V3) is not implemented"
+    if b.get("score") not in ("softmax", "sigmoid", "softmax over top-k"):
+        return f"score function {b.get('score')!r}"
+    return None
+
+
+def _patchable(b: dict) -> bool:
+    return _why_not(b) is None
+
+
+def _patch_first(bs: list[dict]) -> str:
+    return f"kprof apply --patch {PATCH_ID} removes them, or in the code: " if any(map(_patchable, bs)) else ""
+
+
+def _fused_find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
+    """The apply-able row: the blocks the fused patch may take (the live match decides)."""
+    bs = [b for b in blocks(ops, summary) if _patchable(b)]
+    if not bs:
+        return []
+    mods = ops["module"].astype(str)
+    sel = np.zeros(len(ops), dtype=bool)
+    for b in bs:
+        sel |= _under(mods, b["path"]).to_numpy()
+    sel &= ops["phase"].isin(["fwd", "bwd"]).to_numpy() if "phase" in ops else True
+    return [Finding(
+        where=_where(bs), evidence=f"{len(bs)} MoE block(s) with {bs[0]['score']} top-{bs[0]['top_k']} routing, "
+                                   f"dispatch: {bs[0]['dispatch']}",
+        change="kprof moe_router + moe_permute + torch._grouped_mm SwiGLU experts + moe_unpermute, no host sync",
+        how=f"kprof apply --patch {PATCH_ID}{_PATCH_NOTE}",
+        ms_per_step=_ms(ops, sel, summary), saving_note="no estimate: kprof apply measures the step before and after",
+        source=bs[0]["source"], paths=[b["path"] for b in bs], cls="moe", confidence="medium", details=bs,
+        applyable=True)]
+
+
 def _block_find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
     bs = blocks(ops, summary)
     if not bs:
@@ -177,7 +221,8 @@ def _block_find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
         where=_where(bs), evidence=f"{len(bs)} MoE block(s), {ms:.1f} ms/step fwd+bwd; {desc}; "
                                    f"routing at {_short(b0['source'])}",
         change="fused MoE path: router kernel, permute/unpermute, grouped GEMM",
-        how=f"no fused MoE patch yet; in the code: {_advice(b0['dispatch'])}",
+        how=(f"kprof apply --patch {PATCH_ID}{_PATCH_NOTE}; or in the code: {_advice(b0['dispatch'])}"
+             if _patchable(b0) else f"no fused MoE patch: {_why_not(b0)}; in the code: {_advice(b0['dispatch'])}"),
         ms_per_step=ms, saving_note="no MoE patch to estimate against yet", source=b0["source"],
         paths=[b["path"] for b in bs], cls="moe", confidence="high", details=bs)]
 
@@ -229,7 +274,7 @@ def _sync_find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
         evidence=f"{per_step:g} host syncs per step in MoE routing/dispatch:\n" + "\n".join(lines),
         change="route without reading counts back: torch.where(cond, a, b) or masked ops for masks, "
                "bincount/histc + cumsum offsets on the device, one grouped GEMM over all experts",
-        how=f"{os.path.basename(f0)}:{l0}: no fused MoE patch yet; drop the data-dependent shape "
+        how=f"{os.path.basename(f0)}:{l0}: {_patch_first(bs)}drop the data-dependent shape "
             "(nonzero / one-argument torch.where / boolean indexing / .item() / .tolist()) and "
             "the per-expert `if rows.numel()` that follows it",
         saving_note="counted in host_sync's GPU-idle bound", source=f"{f0}:{l0}",
@@ -285,7 +330,7 @@ def _imbalance_find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
                  + f"\nexpert GEMMs waiting on the busiest expert: {wasted:.2f} ms/step",
         change="balance the router: auxiliary load-balancing loss (Switch/Mixtral "
                "router_aux_loss_coef), or DeepSeek-style bias updates on the expert scores",
-        how=f"{_short(worst['source'])}: no fused MoE patch yet; add a load-balancing loss "
+        how=f"{_short(worst['source'])}: add a load-balancing loss "
             "on the router's scores (output_router_logits=True in HF MoE configs)",
         ms_per_step=sum(r["expert GEMM ms/step"] for r in bad if math.isfinite(r["expert GEMM ms/step"])),
         saving_ms=wasted, saving_note="upper bound: expert GEMM time x (1 - mean/max load), the wait on the "
@@ -327,7 +372,7 @@ def _loop_find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
         evidence=f"{sum(r['expert matmuls/step'] for r in rows):g} per-expert matmuls/step in "
                  f"{len(rows)} block(s), {r0['us per matmul']:.1f} us each; {ms:.1f} ms/step",
         change="one grouped GEMM per weight instead of a Python loop over the experts",
-        how=f"{_short(r0['source'])}: no fused MoE patch yet; {_advice('loop')}",
+        how=f"{_short(r0['source'])}: {_patch_first(blocks(ops, summary))}{_advice('loop')}",
         ms_per_step=ms, saving_ms=saving,
         saving_note="measured expert matmul time - the same FLOPs/bytes as 9 grouped GEMMs "
                     "(3 fwd, 6 bwd) at this run's roofline",
@@ -335,8 +380,10 @@ def _loop_find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
         details=rows)]
 
 
-BLOCK = Diagnosis(id="moe_block", title="mixture-of-experts block (no fused MoE patch yet)", find=_block_find)
+BLOCK = Diagnosis(id="moe_block", title="mixture-of-experts block", find=_block_find)
 ROUTING_SYNC = Diagnosis(id="moe_routing_sync", title="host syncs in MoE routing", find=_sync_find)
 IMBALANCE = Diagnosis(id="moe_imbalance", title="expert load imbalance", find=_imbalance_find)
 EXPERT_LOOP = Diagnosis(id="moe_expert_loop", title="Python loop over experts (launch-bound)", find=_loop_find)
-DIAGNOSES = [BLOCK, ROUTING_SYNC, IMBALANCE, EXPERT_LOOP]
+FUSED = Diagnosis(id=PATCH_ID, title="fused MoE path: router, permute, grouped SwiGLU experts, unpermute",
+                  find=_fused_find)
+DIAGNOSES = [BLOCK, FUSED, ROUTING_SYNC, IMBALANCE, EXPERT_LOOP]
