@@ -152,8 +152,14 @@ def test_suggest_on_repo_gpt(gpt_run):
     # ranking: known savings, descending
     s = plan["saving ms/step"].tolist()
     assert all(a >= b for a, b in zip(s, s[1:]))
+    from kprof.analyze.modules import step_ms
+
+    basis = step_ms(gpt_run.summary)
     for r in plan.to_dict("records"):
-        assert r["ms/step"] > 0 and 0 < r["% of step"] < 100
+        # % of the unprofiled step. Not bounded by 100 on a CPU: the op times come from the
+        # profiled steps, which the profiler slows on the host (a loaded 2-core CI machine read
+        # 111-142% here), while GPU kernel times are the same either way.
+        assert r["ms/step"] > 0 and r["% of step"] == pytest.approx(r["ms/step"] / basis * 100)
         assert math.isfinite(r["predicted ms/step"]) and r["saving ms/step"] <= r["ms/step"]
         assert r["applyable"] and r["how"] == f"kprof apply --patch {r['id']}"
 
