@@ -329,15 +329,17 @@ class _Ablation:
                              "patches inside a compiled model recompiles it at every switch, so the patches were not "
                              "timed in-process")
             return True
-        from kprof.rules import all_rules
+        from kprof.rules import MEMORY_RULES, all_rules
 
         linked = [ids for rep in self.reports for ids in rep.toggle_sets()]
         switchable = {r for ids in linked for r in ids}
         # Only what a switch moves is timed (an optimizer patch, say, is not a unit: not switched).
         live = [r for r in self._records() if r.status in ("verified", "installed") and r.rule in switchable]
         # A rule may declare the rules whose output it consumes (see kprof/patching/ablation.py).
-        consumes = {r.id: tuple(getattr(r, "consumes", ()) or ()) for r in all_rules(self.rules_dir)}
-        self.groups = ab.groups_of([(r.rule, r.path, r.module) for r in live], consumes, linked)
+        pool = all_rules(self.rules_dir) + MEMORY_RULES
+        consumes = {r.id: tuple(getattr(r, "consumes", ()) or ()) for r in pool}
+        wrapping = [r.id for r in pool if r.wraps]
+        self.groups = ab.groups_of([(r.rule, r.path, r.module) for r in live], consumes, linked, wrapping)
         if not self.groups:
             return True
         names = [ab.group_name(g) for g in self.groups]

@@ -380,14 +380,15 @@ class PatchReport:
 
 
 def resolve_rules(rules: str | Sequence[Any] | None = None, rules_dir: str | None = None):
-    """`None`/"all" -> every rule (user rules first); ids and/or Rule objects -> those, in
+    """`None`/"all" -> every speed rule (user rules first; memory rules only by id); ids and/or Rule objects -> those, in
     precedence order (Rule objects given directly go first)."""
-    from kprof.rules import all_rules
+    from kprof.rules import MEMORY_RULES, all_rules
     from kprof.rules.engine import Rule, select
 
     pool = all_rules(rules_dir)
     if rules is None or rules == "all":
         return pool
+    pool = pool + MEMORY_RULES  # named by id only (kprof/rules/__init__.py)
     if isinstance(rules, str):
         rules = [r.strip() for r in rules.split(",") if r.strip()]
     given = [r for r in rules if isinstance(r, Rule)]
