@@ -21,6 +21,7 @@ error; with `strict=True` the failure raises KprofError instead. Until its first
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
@@ -323,6 +324,20 @@ class PatchReport:
             u.set_enabled(u.record.rule in keep)
         for o in self._optimizers:
             o.set_enabled(o.rule in keep)
+
+    @contextlib.contextmanager
+    def quiet(self):
+        """No verification while held: calls at new shapes run the installed code without a
+        re-check (the batch search's trials, whose large shapes would each be verified, at twice
+        the memory, and spend the units' re-checks)."""
+        was = [u.busy for u in self._units]
+        for u in self._units:
+            u.busy = True
+        try:
+            yield
+        finally:
+            for u, b in zip(self._units, was):
+                u.busy = b
 
     def toggle_sets(self) -> list[tuple[str, ...]]:
         """The rule ids that `enable_only` switches together, one tuple per installed unit whose

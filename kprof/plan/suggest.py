@@ -296,14 +296,18 @@ def load_plan(run) -> dict:
         raise KprofError(f"{path} is unreadable ({e}); run `kprof suggest {run.name}` again") from e
 
 
-def parse_ids(spec: str, plan: dict) -> list[str]:
+def parse_ids(spec: str, plan: dict, memory: bool = False) -> list[str]:
     """'all' -> every apply-able suggestion of the plan (kernel suggestions, then the diagnoses
-    apply installs, e.g. unfused_optimizer); 'a,b' -> those, checked against the plan."""
+    apply installs, e.g. unfused_optimizer; the memory rules, which cost time, only with
+    `memory`: `--prefer memory`); 'a,b' -> those, checked against the plan."""
+    from kprof.rules import MEMORY_RULES
+
     sugg = (plan.get("suggestions") or []) + [d for d in plan.get("diagnoses") or [] if d.get("applyable")]
     if not sugg:
         raise KprofError(f"run {plan.get('run')} has no suggestions: nothing to apply "
                          "(kprof suggest found no pattern kprof can fix in this profile)")
-    applyable = [s["id"] for s in sugg if s.get("applyable")]
+    slower = {r.id for r in MEMORY_RULES}
+    applyable = [s["id"] for s in sugg if s.get("applyable") and (memory or s["id"] not in slower)]
     if spec.strip() == "all":
         if not applyable:
             raise KprofError("none of the suggestions can be applied automatically; "
