@@ -139,3 +139,118 @@ def test_hf_llama_decoder_layers(use_cache):
     for n in ref:
         torch.testing.assert_close(got[n], ref[n], msg=n)
     rep.unpatch()
+
+
+def test_largest_batch_search_doubles_then_bisects():
+    from kprof.patching.batch import search
+
+    tried = []
+
+    def fits(b):
+        tried.append(b)
+        return b <= 37
+
+    assert search(fits, 4, 256) == 37
+    assert tried[:5] == [4, 8, 16, 32, 64]  # doubling to the first failure, then bisection
+    assert search(lambda b: True, 4, 100) == 100  # capped at the limit
+    assert search(lambda b: False, 4, 100) is None  # the script's own batch does not fit
+
+
+@pytest.mark.gpu
+def test_largest_batch_trial_on_cuda():
+    from kprof.patching.batch import search, trial
+
+    net = Net().cuda()
+    ids = torch.randint(0, 32, (2, 8), device="cuda")
+    grads = [p.grad for p in net.parameters()]
+    got = search(trial(net, (ids,), {}), 2, 64)
+    assert got == 64  # a tiny model fits the cap
+    assert [p.grad for p in net.parameters()] == grads  # the trials left the gradients alone
+
+
+def test_plan_ids_and_the_kept_line():
+    from kprof.patching.apply import live_rules, write_lines
+    from kprof.plan.suggest import parse_ids
+
+    plan = {"run": "r", "suggestions": [{"id": "layer_norm", "applyable": True}],
+            "diagnoses": [{"id": ID, "applyable": True, "paths": ["blocks.1", "blocks.0"]}]}
+    assert parse_ids("all", plan) == ["layer_norm"]  # costs time: only under --prefer memory
+    assert parse_ids("all", plan, memory=True) == ["layer_norm", ID]
+    assert parse_ids(ID, plan) == [ID]
+    rules = live_rules(["layer_norm", ID], plan)
+    assert rules[0] == "layer_norm" and rules[1].id == ID
+    net = Net()
+    rep = kprof.patch(net, rules=[rules[1]], verify=False)
+    assert sorted(r.path for r in rep.records) == ["blocks.0", "blocks.1"]
+    text = write_lines([ID], False, ["blocks.1"])
+    assert "checkpoint_rule(['blocks.1'])" in text
+    model = Net()
+    ns = {"model": model}
+    exec(text, ns)  # the written lines run and install on the named block only
+    assert [r.path for r in ns["kprof_report"].records] == ["blocks.1"]
+
+
+SCRIPT = '''
+import torch, torch.nn as nn, torch.nn.functional as F
+torch.manual_seed(0)
+class Block(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.ln, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.drop = nn.Dropout(0.1)
+    def forward(self, x):
+        h = self.ln(x)
+        a = torch.softmax(h @ h.transpose(-1, -2) / 4.0, dim=-1) @ h
+        return x + self.drop(self.down(torch.relu(self.up(a))))
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(64, 32), nn.Linear(32, 64)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+    def forward(self, ids):
+        x = self.emb(ids)
+        for b in self.blocks:
+            x = b(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), ids.flatten())
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+for step in range(40):
+    ids = torch.randint(0, 64, (8, 128))
+    model(ids).backward()
+    opt.step()
+    opt.zero_grad()
+'''
+
+
+@pytest.mark.slow
+def test_apply_checkpointing_prefer_memory_json_on_cpu(tmp_path):
+    """`kprof apply --patch activation_checkpointing --prefer memory --json` end to end on a CPU:
+    the diagnosis plans it, both blocks verify, the ablation times it, peak memory is reported
+    before and after as the process RSS it is, and the batch search says it is skipped."""
+    import json
+
+    import typer
+    from typer.testing import CliRunner
+
+    from kprof.analyze.profile import profile_script
+    from kprof.cli import patch_cmds
+
+    script, root = tmp_path / "train.py", tmp_path / "runs"
+    script.write_text(SCRIPT)
+    profile_script(str(script), [], warmup=1, steps=2, out_root=root)
+    app = typer.Typer()
+    patch_cmds.register(app)
+    res = CliRunner().invoke(app, ["apply", str(script), "--patch", ID, "--prefer", "memory", "--steps", "14",
+                                   "--out", str(root), "--json"])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    doc = json.loads(res.stdout[res.stdout.index("{"):])
+    recs = doc["records"]["ablation"]
+    assert [(r["rule"], r["path"], r["status"]) for r in recs] == [(ID, "blocks.0", "verified"),
+                                                                     (ID, "blocks.1", "verified")]
+    assert doc["ablation"]["groups"] == [[ID]]
+    (p,) = doc["patches"]
+    assert p["id"] == ID and p["n"] == 6 and p["verdict"] in ("kept", "dropped", "undecided")
+    pm = doc["peak_memory"]
+    assert pm["before"] > 0 and pm["after"] > 0 and "RSS" in pm["kind"]
+    assert any("peak RSS on this CPU" in n for n in doc["notes"])
+    assert "not measured on a CPU" in doc["largest_batch"]["skipped"]
