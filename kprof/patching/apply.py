@@ -417,6 +417,10 @@ class _Ablation:
         from kprof.patching import batch
 
         mod, args, kwargs = self.last_call
+        for h in self.hooks:  # the trials' own inputs are not kept alive through the next trial
+            h.remove()
+        self.hooks.clear()
+        self.find_batch, self.last_call = False, None
         n = batch.batch_of(args, kwargs)
         if n is None:
             return {"skipped": "the model's input has no batch dimension to grow"}

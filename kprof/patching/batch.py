@@ -86,12 +86,17 @@ def trial(model: nn.Module, args: tuple, kwargs: dict) -> Callable[[int], bool]:
     def fits(b: int) -> bool:
         a, kw = _resized(args, kwargs, n, b)
         saved = [p.grad for p in params]
+        for p in params:  # backward would accumulate into the script's gradients in place
+            p.grad = None
         try:
             with torch.random.fork_rng(devices=devices), torch.enable_grad():
-                loss = _loss(model(*a, **kw))
+                # forward, not __call__: a script without an optimizer has its steps counted in
+                # calls of this outermost module (kprof/capture/runner.py), and a trial is no step
+                loss = _loss(model.forward(*a, **kw))
                 if loss is not None:
                     loss.backward()
-            torch.cuda.synchronize()
+            if torch.cuda.is_initialized():  # an out of memory surfaces here at the latest
+                torch.cuda.synchronize()
             return True
         except torch.cuda.OutOfMemoryError:
             return False

@@ -156,6 +156,41 @@ def test_largest_batch_search_doubles_then_bisects():
     assert search(lambda b: False, 4, 100) is None  # the script's own batch does not fit
 
 
+def test_largest_batch_wiring_in_the_ablation(monkeypatch):
+    """The search at the ablation's end: the root's last input, every patch off then on, the
+    gradients put back, the input hook removed (the trials run on CUDA; here a fake limit)."""
+    from kprof.patching import apply as ap
+    from kprof.patching import batch
+
+    torch.manual_seed(0)
+    net = Net()
+    abl = ap._Ablation([ID], strict=False, rules_dir=None, budget=None, seed=0, find_batch=True)
+    abl.on_root(net)
+    ids = torch.randint(0, 32, (2, 8))
+    net(ids).backward()
+    grads = [p.grad.clone() for p in net.parameters()]
+    seen = []
+    real = batch.trial(net, (ids,), {})  # runs on a CPU too, just never out of memory
+
+    def fake_trial(mod, args, kwargs):
+        def fits(b):
+            seen.append(("on" if "forward" in net.blocks[0].__dict__ else "off", b))
+            assert real(b)  # a real forward + backward at batch b
+            return b <= (6 if seen[-1][0] == "off" else 11)
+        return fits
+
+    monkeypatch.setattr(batch, "trial", fake_trial)
+    abl.cuda = True
+    out = abl._largest_batch()
+    assert out == {"script_batch": 2, "limit": 2 * batch.MAX_FACTOR, "before": 6, "after": 11}
+    assert {s for s, _ in seen} == {"off", "on"}
+    assert abl.hooks == [] and abl.last_call is None
+    for p, g in zip(net.parameters(), grads):
+        torch.testing.assert_close(p.grad, g)
+    for rep in abl.reports:
+        rep.unpatch()
+
+
 @pytest.mark.gpu
 def test_largest_batch_trial_on_cuda():
     from kprof.patching.batch import search, trial
