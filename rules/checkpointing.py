@@ -25,6 +25,7 @@ a recompute that depended on it fails there (reverted), or raises torch's Checkp
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any, Iterable
 
 import torch
@@ -32,6 +33,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
+from kprof.errors import KprofError
 from kprof.rules.engine import ProfilePattern, Rule
 
 ID = "activation_checkpointing"
@@ -127,14 +129,10 @@ def checkpoint_rule(paths: Iterable[str]) -> Rule:
     `kprof.patch(model, rules=[checkpoint_rule(paths)])`."""
     want = frozenset(paths)
     if not want:
-        from kprof.errors import KprofError
-
         raise KprofError("checkpoint_rule needs at least one module path, e.g. ['model.layers.0']")
 
     def match(path: str, m: nn.Module) -> dict | None:
         return {"paths": "named"} if path in want and any(True for _ in m.parameters()) else None
-
-    from dataclasses import replace
 
     return replace(RULE, match=match)
 

@@ -289,3 +289,27 @@ def test_apply_checkpointing_prefer_memory_json_on_cpu(tmp_path):
     assert pm["before"] > 0 and pm["after"] > 0 and "RSS" in pm["kind"]
     assert any("peak RSS on this CPU" in n for n in doc["notes"])
     assert "not measured on a CPU" in doc["largest_batch"]["skipped"]
+
+
+def test_inner_patches_verify_inside_a_checkpointed_block():
+    """A kernel patch inside a checkpointed block verifies at its first call and again at a new
+    shape, from inside the checkpoint's forward: its own graph must not be captured by the
+    checkpoint's saved-tensor hooks. Results equal the unpatched model's."""
+    torch.manual_seed(0)
+    net = Net(n=2)
+    ref_net = Net(n=2)
+    ref_net.load_state_dict(net.state_dict())
+    outer = kprof.patch(net, rules=[ID])
+    _grads(net, torch.randint(0, 32, (2, 8)))  # the blocks verified: checkpointed from now on
+    inner = kprof.patch(net, rules=["layer_norm"])  # first called inside the checkpoint
+    assert len(inner.records) == 4  # two LayerNorms a block
+    for shape in ((2, 8), (2, 8), (3, 8)):
+        ids = torch.randint(0, 32, shape)
+        loss, got = _grads(net, ids)
+        ref_loss, ref = _grads(ref_net, ids)
+        torch.testing.assert_close(loss, ref_loss)
+        for n in ref:
+            torch.testing.assert_close(got[n], ref[n], msg=n)
+    assert all(r.status == "verified" for r in outer.records + inner.records), str(inner)
+    inner.unpatch()
+    outer.unpatch()
