@@ -778,8 +778,9 @@ def apply(
                        "kind": after.summary.get("peak_memory_kind") or ""}
     if "max_memory_allocated" not in res.peak_memory["kind"]:
         res.notes.append("peak memory before/after is the process's peak RSS on this CPU (weights, Python and "
-                         "the whole run included), not device memory: a checkpointing saving shows in it only "
-                         "partly; measure it on the GPU")
+                         "the whole run included), not device memory; a memory patch's saving is measured on "
+                         "the GPU" + ("; --prefer memory keeps a group for its memory only there (per-step "
+                                      "peaks), so here the time verdict stands" if prefer == "memory" else ""))
     if prefer == "memory":
         from kprof.patching.batch import CPU_SKIPPED
 
