@@ -38,7 +38,7 @@ from kprof.errors import INTERRUPTED, PATCH_FAILED, SCRIPT_FAILED, KprofError
 from kprof.patching import ablation as ab
 from kprof.patching.install import OPTIMIZER_ID, check_rules, patch_optimizer
 from kprof.patching.install import patch as kpatch
-from kprof.plan.suggest import parse_ids, plan_for
+from kprof.plan.suggest import apply_entries, parse_ids, plan_for
 
 PREFER = ("time", "memory")
 ABLATION_WARMUP = 3  # untimed steps before the ablation's first: see apply()
@@ -489,8 +489,7 @@ def recommend(res: ApplyResult, plan: dict, script: str, root) -> str:
 
 def planned(plan: dict, ids: Sequence[str]) -> list[dict]:
     """The plan's entries for `ids`: kernel suggestions, then the diagnoses apply installs."""
-    return [s for s in (plan.get("suggestions") or []) + [d for d in plan.get("diagnoses") or [] if d.get("applyable")]
-            if s["id"] in ids]
+    return [s for s in apply_entries(plan) if s["id"] in ids]
 
 
 def why_not_installed(entry: dict, reports: Sequence) -> str:

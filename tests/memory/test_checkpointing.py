@@ -229,6 +229,8 @@ def test_plan_ids_and_the_kept_line():
     assert parse_ids("all", plan) == ["layer_norm"]  # costs time: only under --prefer memory
     assert parse_ids("all", plan, memory=True) == ["layer_norm", ID]
     assert parse_ids(ID, plan) == [ID]
+    plan["diagnoses"][0]["applyable"] = False  # a plan saved before the rule shipped
+    assert parse_ids(ID, plan) == [ID]
     rules = live_rules(["layer_norm", ID], plan)
     assert rules[0] == "layer_norm" and rules[1].id == ID
     net = Net()
