@@ -193,13 +193,13 @@ def _private(obj: Any) -> Any:
     while todo and seen < 4096:  # the tensors it reaches map to themselves: only containers copy
         x = todo.pop()
         seen += 1
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, (torch.Tensor, torch.nn.Module)):  # a module it refers to is not copied
             memo[id(x)] = x
         elif isinstance(x, (list, tuple)):
             todo += list(x)
         elif isinstance(x, dict):
             todo += list(x.values())
-        elif hasattr(x, "__dict__") and not isinstance(x, (type, torch.nn.Module)):
+        elif hasattr(x, "__dict__") and not isinstance(x, type):
             todo += list(vars(x).values())
     try:
         return copy.deepcopy(obj, memo)
