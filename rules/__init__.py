@@ -6,8 +6,8 @@ inline patterns in a forward (torch.fx), attention, RoPE and the top-level loss.
 examples/custom_rules/) go before the built-ins, so they win.
 """
 
-from kprof.rules import (attention, fx_inline, gated_mlp, layer_norm, linear_cross_entropy, linear_gelu, moe_fused,
-                         rms_norm, rope)
+from kprof.rules import (attention, checkpointing, fx_inline, gated_mlp, layer_norm, linear_cross_entropy,
+                         linear_gelu, moe_fused, rms_norm, rope)
 from kprof.rules.engine import Match, ProfilePattern, Rule, find_matches, load_rules, select
 
 RULES: list[Rule] = [
@@ -22,10 +22,15 @@ RULES: list[Rule] = [
     linear_cross_entropy.RULE,
 ]
 
+# Rules that trade step time for memory (activation checkpointing): installed only when named by
+# id, never by "all", since they make the step slower (`kprof apply --prefer memory` keeps them
+# when they lower the peak). Last in precedence: a module another rule rewrites keeps that.
+MEMORY_RULES: list[Rule] = [checkpointing.RULE]
+
 
 def all_rules(rules_dir=None) -> list[Rule]:
     """User rules from `rules_dir` (if any), then the built-ins."""
     return (load_rules(rules_dir) if rules_dir else []) + RULES
 
 
-__all__ = ["RULES", "Match", "ProfilePattern", "Rule", "all_rules", "find_matches", "load_rules", "select"]
+__all__ = ["MEMORY_RULES", "RULES", "Match", "ProfilePattern", "Rule", "all_rules", "find_matches", "load_rules", "select"]

@@ -139,6 +139,10 @@ class Rule:
     # cheap filter on the code's operations, not on names the user chose).
     sites: Callable[[Any, nn.Module], tuple[list, list[str]]] | None = None
     hints: tuple[str, ...] = ()
+    # The replacement runs the module's own forward around (activation checkpointing): the code
+    # inside it, kprof's patches included, still runs, so those are not "replaced" and the
+    # ablation switches them apart (kprof/patching/ablation.py groups_of).
+    wraps: bool = False
     source: str = "builtin"  # or the file a user rule came from
 
     @property
@@ -277,7 +281,7 @@ def find_matches(model: nn.Module, rules: Sequence[Rule]) -> list[Match]:
             if keys & claimed:
                 continue
             claimed |= keys
-            if "" in rels:
+            if "" in rels and not rule.wraps:
                 replaced |= {id(c) for c in mod.modules() if c is not mod}
             out.append(Match(rule, path, mod, params, source=source_of(mod)))
     return out

@@ -13,7 +13,9 @@ when their patches interact structurally:
   * nested: one patch's module is inside another's (a module path is a dotted prefix of the
     other's), because the outer replacement decides whether the inner module runs at all. The
     model root (path "", the fused linear + cross-entropy) is exempt: its replacement calls the
-    base model as a whole, so every inner patch still runs and can be switched alone;
+    base model as a whole, so every inner patch still runs and can be switched alone; so is a
+    rule that wraps its module's own forward (`wrapping`: activation checkpointing), for the
+    same reason;
   * linked: one traced rewrite (kprof/rules/fx_inline.py) that holds several rules' sites is
     one switch, so its rules are one group;
   * declared: a rule whose replacement consumes another rule's output in a way that only the
@@ -107,11 +109,13 @@ def schedule(groups: Sequence[str], blocks: int, seed: int = 0) -> list[Config]:
 
 def groups_of(records: Sequence[tuple[str, str, bool]],
               consumes: Mapping[str, Sequence[str]] | None = None,
-              linked: Sequence[Sequence[str]] = ()) -> list[tuple[str, ...]]:
+              linked: Sequence[Sequence[str]] = (),
+              wrapping: Sequence[str] = ()) -> list[tuple[str, ...]]:
     """Rule ids merged into groups (see the module docstring). `records`: (rule id, path,
     is_module) of each installed patch; `consumes`: rule id -> ids whose output it consumes;
     `linked`: rule ids that one switch moves together (one traced rewrite holding several
-    rules: PatchReport.toggle_sets). Groups keep the records' rule order."""
+    rules: PatchReport.toggle_sets); `wrapping`: rule ids whose patch runs its module's own
+    forward, exempt from nesting. Groups keep the records' rule order."""
     order = list(dict.fromkeys(r for r, _, _ in records))
     parent = {r: r for r in order}
 
@@ -126,7 +130,7 @@ def groups_of(records: Sequence[tuple[str, str, bool]],
         if ra != rb:
             parent[max(ra, rb, key=order.index)] = min(ra, rb, key=order.index)
 
-    mods = [(r, p) for r, p, is_mod in records if is_mod and p]
+    mods = [(r, p) for r, p, is_mod in records if is_mod and p and r not in wrapping]
     for i, (ra, pa) in enumerate(mods):
         for rb, pb in mods[i + 1:]:
             if ra != rb and (pa == pb or pb.startswith(pa + ".") or pa.startswith(pb + ".")):

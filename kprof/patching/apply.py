@@ -19,6 +19,7 @@ faster end to end, and say what wins instead. Library side; kprof/cli/patch_cmds
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import math
@@ -36,7 +37,7 @@ from kprof.errors import INTERRUPTED, PATCH_FAILED, SCRIPT_FAILED, KprofError
 from kprof.patching import ablation as ab
 from kprof.patching.install import OPTIMIZER_ID, check_rules, patch_optimizer
 from kprof.patching.install import patch as kpatch
-from kprof.plan.suggest import parse_ids, plan_for
+from kprof.plan.suggest import apply_entries, parse_ids, plan_for
 
 PREFER = ("time", "memory")
 ABLATION_WARMUP = 3  # untimed steps before the ablation's first: see apply()
@@ -64,6 +65,8 @@ class ApplyResult:
     prefer: str = "time"
     batch_headroom: float | None = None  # x larger batch in the same memory (prefer memory)
     watch: dict | None = None  # the loss watch over every step (loss_watch), None if it did not run
+    peak_memory: dict | None = None  # {"before", "after": bytes, "kind": what was measured}
+    largest_batch: dict | None = None  # prefer memory: {"before", "after", ...} or {"skipped": why}
 
     @property
     def before_ms(self) -> float:
@@ -93,6 +96,7 @@ class ApplyResult:
             "not_installed": self.not_installed,
             "recommendation": self.recommendation,
             "batch_headroom": self.batch_headroom,
+            "peak_memory": self.peak_memory, "largest_batch": self.largest_batch,
             "ablation": None if a is None else {
                 "test": "sign test on paired per-block differences (all on but the group - all on), 95% interval "
                         "of the median from order statistics",
@@ -204,10 +208,35 @@ def loss_watch(before: Sequence[float], control: Sequence[float], after: Sequenc
     return {"diverged": False, "steps": checked, "max_delta": worst, "spread": spread, "k": K_DIVERGENCE}
 
 
-def write_lines(ids: Sequence[str], strict: bool) -> str:
+def checkpoint_paths(plan: dict) -> list[str]:
+    """The layers the activation_checkpointing diagnosis ranked (its paths), or none."""
+    from kprof.rules.checkpointing import ID
+
+    return next((list(d.get("paths") or []) for d in plan.get("diagnoses") or [] if d.get("id") == ID), [])
+
+
+def live_rules(ids: Sequence[str], plan: dict) -> list:
+    """What kprof.patch installs for the plan's ids: activation checkpointing on the layers the
+    memory diagnosis chose (else on every repeated block), the other rules by id."""
+    from kprof.rules.checkpointing import ID, checkpoint_rule
+
+    paths = checkpoint_paths(plan)
+    return [checkpoint_rule(paths) if i == ID and paths else i for i in ids if i != OPTIMIZER_ID]
+
+
+def write_lines(ids: Sequence[str], strict: bool, checkpoint: Sequence[str] = ()) -> str:
+    from kprof.rules.checkpointing import ID
+
     today = _dt.date.today().isoformat()
     opts = ", strict=True" if strict else ""
     rules = [i for i in ids if i != OPTIMIZER_ID]
+    head = ""
+    if ID in rules and checkpoint:  # the diagnosis's layers, named: the plain id means every block
+        head = "from kprof.rules.checkpointing import checkpoint_rule\n"
+        text = ", ".join(repr(r) if r != ID else f"checkpoint_rule({list(checkpoint)!r})" for r in rules)
+        rules_txt = f"[{text}]"
+    else:
+        rules_txt = repr(rules)
     opt = ", optimizer=optimizer" if OPTIMIZER_ID in ids else ""
     lines = (
         f"# Keep kprof's patches (verified by `kprof apply` on {today}). Add after the model is built\n"
@@ -216,8 +245,8 @@ def write_lines(ids: Sequence[str], strict: bool) -> str:
     if opt:
         lines += ("# `optimizer` is your torch.optim object (switched to its fused step); or build it with\n"
                   "# fused=True: the unfused_optimizer diff in the plan's run folder (diffs/) does that.\n")
-    return lines + (f"import kprof\n"
-                    f"kprof_report = kprof.patch(model, rules={rules!r}{opt}{opts})  # kprof_report.unpatch() undoes it\n")
+    return lines + (f"import kprof\n{head}"
+                    f"kprof_report = kprof.patch(model, rules={rules_txt}{opt}{opts})  # kprof_report.unpatch() undoes it\n")
 
 
 def _dynamo_graphs() -> int:
@@ -239,9 +268,14 @@ class _Ablation:
     each timed step switch to that step's configuration (kprof.capture.runner.RunConfig.on_step)."""
 
     def __init__(self, ids: Sequence[str], *, strict: bool, rules_dir: str | None, budget: int | None,
-                 seed: int):
+                 seed: int, rules: Sequence | None = None, find_batch: bool = False):
         self.ids, self.strict, self.rules_dir, self.budget, self.seed = list(ids), strict, rules_dir, budget, seed
-        self.rule_ids = [i for i in self.ids if i != OPTIMIZER_ID]  # OPTIMIZER_ID: on_optimizer's
+        # OPTIMIZER_ID is on_optimizer's; a rule may come as a Rule object (checkpointing's layers)
+        self.rule_ids = list(rules) if rules is not None else [i for i in self.ids if i != OPTIMIZER_ID]
+        self.find_batch = find_batch  # --prefer memory: the largest batch, patches off and on (CUDA)
+        self.batch: dict | None = None
+        self.last_call: tuple | None = None  # the root's latest (module, args, kwargs)
+        self.hooks: list = []
         self.roots = 0
         self.reports: list = []
         self.groups: list[tuple[str, ...]] = []
@@ -257,6 +291,11 @@ class _Ablation:
     def on_root(self, model) -> None:
         self.roots += 1
         self.reports.append(kpatch(model, rules=self.rule_ids, strict=self.strict, rules_dir=self.rules_dir))
+        if self.find_batch:
+            def keep(mod, args, kwargs):  # a reference only: the script's own input tensors
+                self.last_call = (mod, args, kwargs)
+
+            self.hooks.append(model.register_forward_pre_hook(keep, with_kwargs=True))
 
     def on_optimizer(self, opt) -> None:
         """At an optimizer's first step: its fused step, proven on one step's copies."""
@@ -274,15 +313,17 @@ class _Ablation:
                              "patches inside a compiled model recompiles it at every switch, so the patches were not "
                              "timed in-process")
             return True
-        from kprof.rules import all_rules
+        from kprof.rules import MEMORY_RULES, all_rules
 
         linked = [ids for rep in self.reports for ids in rep.toggle_sets()]
         switchable = {r for ids in linked for r in ids}
         # Only what a switch moves is timed (an optimizer patch, say, is not a unit: not switched).
         live = [r for r in self._records() if r.status in ("verified", "installed") and r.rule in switchable]
         # A rule may declare the rules whose output it consumes (see kprof/patching/ablation.py).
-        consumes = {r.id: tuple(getattr(r, "consumes", ()) or ()) for r in all_rules(self.rules_dir)}
-        self.groups = ab.groups_of([(r.rule, r.path, r.module) for r in live], consumes, linked)
+        pool = all_rules(self.rules_dir) + MEMORY_RULES
+        consumes = {r.id: tuple(getattr(r, "consumes", ()) or ()) for r in pool}
+        wrapping = [r.id for r in pool if r.wraps]
+        self.groups = ab.groups_of([(r.rule, r.path, r.module) for r in live], consumes, linked, wrapping)
         if not self.groups:
             return True
         names = [ab.group_name(g) for g in self.groups]
@@ -305,6 +346,8 @@ class _Ablation:
                 self.static.append(float(torch.cuda.memory_allocated()))
                 torch.cuda.reset_peak_memory_stats()
         if i >= len(self.plan):
+            if self.find_batch and self.cuda and self.last_call is not None:
+                self.batch = self._largest_batch()
             self.enable_all()
             return True
         conf = self.plan[i]
@@ -312,6 +355,30 @@ class _Ablation:
         for rep in self.reports:
             rep.enable_only(on)
         return False
+
+    def _largest_batch(self) -> dict:
+        """Tried between the last steps, every patch off then on (kprof/patching/batch.py); the
+        run stops right after, so the trials' side effects never reach a timed step."""
+        from kprof.patching import batch
+
+        mod, args, kwargs = self.last_call
+        for h in self.hooks:  # the trials' own inputs are not kept alive through the next trial
+            h.remove()
+        self.hooks.clear()
+        self.find_batch, self.last_call = False, None
+        n = batch.batch_of(args, kwargs)
+        if n is None:
+            return {"skipped": "the model's input has no batch dimension to grow"}
+        out = {"script_batch": n, "limit": n * batch.MAX_FACTOR}
+        fits = batch.trial(mod, args, kwargs)
+        for label, on in (("before", []), ("after", self.ids)):
+            for rep in self.reports:
+                rep.enable_only(on)
+            with contextlib.ExitStack() as st:
+                for rep in self.reports:
+                    st.enter_context(rep.quiet())
+                out[label] = batch.search(fits, n, n * batch.MAX_FACTOR)
+        return out
 
     def enable_all(self) -> None:
         for rep in self.reports:
@@ -367,8 +434,7 @@ def recommend(res: ApplyResult, plan: dict, script: str, root) -> str:
 
 def planned(plan: dict, ids: Sequence[str]) -> list[dict]:
     """The plan's entries for `ids`: kernel suggestions, then the diagnoses apply installs."""
-    return [s for s in (plan.get("suggestions") or []) + [d for d in plan.get("diagnoses") or [] if d.get("applyable")]
-            if s["id"] in ids]
+    return [s for s in apply_entries(plan) if s["id"] in ids]
 
 
 def why_not_installed(entry: dict, reports: Sequence) -> str:
@@ -497,7 +563,7 @@ def apply(
     store.ensure_root(root)  # an unwritable store fails now, not after the ablation run
     store.check_same_script(before, script)
     plan = plan_for(before, rules_dir)
-    ids = parse_ids(patch, plan)
+    ids = parse_ids(patch, plan, memory=prefer == "memory")
     check_rules(ids, rules_dir)  # a plan made with --rules DIR needs the same DIR: fail before running the script
     warmup = int(before.summary.get("warmup") or 3)
 
@@ -512,7 +578,8 @@ def apply(
                           exit_code=PATCH_FAILED)
 
     # 1. The ablation: one unprofiled run, the patch groups switched between timed steps.
-    abl = _Ablation(ids, strict=strict, rules_dir=rules_dir, budget=steps, seed=seed)
+    abl = _Ablation(ids, strict=strict, rules_dir=rules_dir, budget=steps, seed=seed, rules=live_rules(ids, plan),
+                    find_batch=prefer == "memory")
     # The root's first call already runs its original forward (the patch goes in from inside that
     # call), so the root's patch verifies at the 2nd call: ABLATION_WARMUP steps have every patch
     # verified, and the kernels compiled, before the first timed step.
@@ -524,6 +591,9 @@ def apply(
     finally:
         for rep in abl.reports:  # RoPE patches a shared module namespace: leave the process as we found it
             rep.unpatch()
+        for h in abl.hooks:
+            h.remove()
+        abl.last_call = None
     err = strict_failure(abl.reports)
     if err is not None:
         raise err
@@ -566,7 +636,7 @@ def apply(
     # 2. The kept set alone, profiled like the plan's run: after_ms and the loss watch.
     reports = []
 
-    kept_rules = [i for i in kept if i != OPTIMIZER_ID]
+    kept_rules = live_rules(kept, plan)
 
     def on_root(model) -> None:
         reports.append(kpatch(model, rules=kept_rules, strict=strict, rules_dir=rules_dir))
@@ -631,7 +701,7 @@ def apply(
         watch = loss_watch(before.summary["losses"], ctl, after.summary["losses"], TOLERANCE.get(dt))
     res = ApplyResult(before, after, ids, reports, compare(before, after),
                       suggestions_frame(plan, ids, abl.reports, result_ablation, kept, abl.declined),
-                      losses, agree, tol, write_lines(kept, strict) if kept else "", notes,
+                      losses, agree, tol, write_lines(kept, strict, checkpoint_paths(plan)) if kept else "", notes,
                       ablation=result_ablation, declined=abl.declined, ablation_reports=abl.reports, kept=kept,
                       not_installed=_not_installed(ids, abl.reports, plan), prefer=prefer, watch=watch)
     if watch is not None and watch["diverged"]:
@@ -647,6 +717,26 @@ def apply(
         pb, pa = before.summary.get("peak_memory_bytes"), after.summary.get("peak_memory_bytes")
         if pb and pa and "max_memory_allocated" in str(after.summary.get("peak_memory_kind")):
             res.batch_headroom = ab.batch_headroom(float(pb), float(pa), statistics.median(abl.static))
+    res.peak_memory = {"before": before.summary.get("peak_memory_bytes"),
+                       "after": after.summary.get("peak_memory_bytes"),
+                       "kind": after.summary.get("peak_memory_kind") or ""}
+    if "max_memory_allocated" not in res.peak_memory["kind"]:
+        res.notes.append("peak memory before/after is the process's peak RSS on this CPU (weights, Python and "
+                         "the whole run included), not device memory; a memory patch's saving is measured on "
+                         "the GPU" + ("; --prefer memory keeps a group for its memory only there (per-step "
+                                      "peaks), so here the time verdict stands" if prefer == "memory" else ""))
+    if prefer == "memory":
+        from kprof.patching.batch import CPU_SKIPPED
+
+        on_cuda = abl.cuda or "max_memory_allocated" in res.peak_memory["kind"]
+        res.largest_batch = abl.batch if abl.batch is not None else {"skipped": CPU_SKIPPED if not on_cuda else (
+            "largest batch: not tried, no patch group was ablated (nothing to compare)")}
+        lb = res.largest_batch
+        if "skipped" in lb:
+            res.notes.append(lb["skipped"])
+        else:
+            res.notes.append(f"largest batch, tried until out of memory (up to {lb['limit']}): {lb['before']} with "
+                             f"every patch off, {lb['after']} with every one on (the script runs {lb['script_batch']})")
     res.recommendation = recommend(res, plan, script, root)
     if watch is not None and watch["diverged"]:
         res.recommendation = (f"leave the model as it is: with {', '.join(kept)} the loss diverged from the unpatched "

@@ -21,6 +21,7 @@ error; with `strict=True` the failure raises KprofError instead. Until its first
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
@@ -339,6 +340,20 @@ class PatchReport:
         for o in self._optimizers:
             o.set_enabled(o.rule in keep)
 
+    @contextlib.contextmanager
+    def quiet(self):
+        """No verification while held: calls at new shapes run the installed code without a
+        re-check (the batch search's trials, whose large shapes would each be verified, at twice
+        the memory, and spend the units' re-checks)."""
+        was = [u.busy for u in self._units]
+        for u in self._units:
+            u.busy = True
+        try:
+            yield
+        finally:
+            for u, b in zip(self._units, was):
+                u.busy = b
+
     def toggle_sets(self) -> list[tuple[str, ...]]:
         """The rule ids that `enable_only` switches together, one tuple per installed unit whose
         patch can be switched (verified or installed): a traced rewrite carries several rules."""
@@ -395,14 +410,15 @@ class PatchReport:
 
 
 def resolve_rules(rules: str | Sequence[Any] | None = None, rules_dir: str | None = None):
-    """`None`/"all" -> every rule (user rules first); ids and/or Rule objects -> those, in
+    """`None`/"all" -> every speed rule (user rules first; memory rules only by id); ids and/or Rule objects -> those, in
     precedence order (Rule objects given directly go first)."""
-    from kprof.rules import all_rules
+    from kprof.rules import MEMORY_RULES, all_rules
     from kprof.rules.engine import Rule, select
 
     pool = all_rules(rules_dir)
     if rules is None or rules == "all":
         return pool
+    pool = pool + MEMORY_RULES  # named by id only (kprof/rules/__init__.py)
     if isinstance(rules, str):
         rules = [r.strip() for r in rules.split(",") if r.strip()]
     given = [r for r in rules if isinstance(r, Rule)]

@@ -166,7 +166,7 @@ def _clone_args(args, kwargs, upcast: bool = False):
 
     def copy(t):
         if not isinstance(t, torch.Tensor):
-            return t
+            return _private(t)
         c = t.detach().clone()
         if upcast and c.dtype in _HALF:
             c = c.float()
@@ -178,6 +178,37 @@ def _clone_args(args, kwargs, upcast: bool = False):
     return pytree.tree_map(copy, (args, kwargs)), leaves
 
 
+_PLAIN = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, type(None))
+
+
+def _private(obj: Any) -> Any:
+    """A copy of an object argument for one run (a KV cache the unit appends to), its tensors
+    shared: otherwise the two runs and the real call would all write the caller's object, and
+    the second run would read the first's entries (and their freed graph). Objects that can't
+    be copied are shared, as before."""
+    import copy
+
+    if isinstance(obj, _PLAIN) or isinstance(obj, (type, torch.nn.Module)) or callable(obj):
+        return obj
+    memo: dict = {}
+    todo, seen = [obj], 0
+    while todo and seen < 4096:  # the tensors it reaches map to themselves: only containers copy
+        x = todo.pop()
+        seen += 1
+        if isinstance(x, (torch.Tensor, torch.nn.Module)):  # a module it refers to is not copied
+            memo[id(x)] = x
+        elif isinstance(x, (list, tuple)):
+            todo += list(x)
+        elif isinstance(x, dict):
+            todo += list(x.values())
+        elif hasattr(x, "__dict__") and not isinstance(x, type):
+            todo += list(vars(x).values())
+    try:
+        return copy.deepcopy(obj, memo)
+    except Exception:  # an uncopyable object (a lock, a handle): shared  # noqa: BLE001
+        return obj
+
+
 def _outputs(out: Any, select: Callable[[Any], Any] | None) -> list[torch.Tensor]:
     if select is not None:
         out = select(out)
@@ -186,10 +217,19 @@ def _outputs(out: Any, select: Callable[[Any], Any] | None) -> list[torch.Tensor
     return [t for t in pytree.tree_leaves(out) if _floating(t)]
 
 
+def _keep(t):
+    return t
+
+
 def _run(fn, args, kwargs, params, select, seed: int, cotangents=None, upcast: bool = False):
     (a, kw), leaves = _clone_args(args, kwargs, upcast)
     devices = sorted({t.device.index or 0 for t in leaves + list(params) if t.is_cuda})
-    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+    # Identity saved-tensor hooks: when this call sits inside a checkpointed block (the
+    # activation_checkpointing patch on an outer module), that checkpoint's hooks would capture
+    # this graph's saved tensors, and the grad below would recompute the block from inside its
+    # own forward. The innermost hooks win, so this graph saves its tensors as usual.
+    with torch.random.fork_rng(devices=devices), torch.enable_grad(), \
+            torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
         torch.manual_seed(seed)
         outs = _outputs(fn(*a, **kw), select)
     diff = [o for o in outs if o.requires_grad]

@@ -296,14 +296,30 @@ def load_plan(run) -> dict:
         raise KprofError(f"{path} is unreadable ({e}); run `kprof suggest {run.name}` again") from e
 
 
-def parse_ids(spec: str, plan: dict) -> list[str]:
+def apply_entries(plan: dict) -> list[dict]:
+    """The plan's entries `kprof apply` can install: kernel suggestions, then the diagnoses it
+    installs. A memory rule's diagnosis counts whatever the plan says: one saved before the rule
+    shipped marks it not applyable."""
+    from kprof.rules import MEMORY_RULES
+
+    memory = {r.id for r in MEMORY_RULES}
+    diags = [d if d.get("applyable") else d | {"applyable": True}
+             for d in plan.get("diagnoses") or [] if d.get("applyable") or d.get("id") in memory]
+    return (plan.get("suggestions") or []) + diags
+
+
+def parse_ids(spec: str, plan: dict, memory: bool = False) -> list[str]:
     """'all' -> every apply-able suggestion of the plan (kernel suggestions, then the diagnoses
-    apply installs, e.g. unfused_optimizer); 'a,b' -> those, checked against the plan."""
-    sugg = (plan.get("suggestions") or []) + [d for d in plan.get("diagnoses") or [] if d.get("applyable")]
+    apply installs, e.g. unfused_optimizer; the memory rules, which cost time, only with
+    `memory`: `--prefer memory`); 'a,b' -> those, checked against the plan."""
+    from kprof.rules import MEMORY_RULES
+
+    sugg = apply_entries(plan)
     if not sugg:
         raise KprofError(f"run {plan.get('run')} has no suggestions: nothing to apply "
                          "(kprof suggest found no pattern kprof can fix in this profile)")
-    applyable = [s["id"] for s in sugg if s.get("applyable")]
+    slower = {r.id for r in MEMORY_RULES}
+    applyable = [s["id"] for s in sugg if s.get("applyable") and (memory or s["id"] not in slower)]
     if spec.strip() == "all":
         if not applyable:
             raise KprofError("none of the suggestions can be applied automatically; "

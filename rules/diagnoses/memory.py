@@ -53,11 +53,13 @@ def _gib(b: float) -> str:
     return f"{b / GiB:.2f} GiB" if b >= GiB / 100 else f"{b / (1 << 20):.1f} MiB"
 
 
-def _finding(where, evidence, change, how, saving, cost_ms, note, paths=(), extra=None, source="") -> Finding:
+def _finding(where, evidence, change, how, saving, cost_ms, note, paths=(), extra=None, source="",
+             applyable=False) -> Finding:
     d = {"saving_bytes": int(saving), "time_cost_ms": cost_ms} | (extra or {})
     return Finding(where=where, evidence=evidence, change=change, how=how,
                    saving_ms=-cost_ms if cost_ms is not None and math.isfinite(cost_ms) else math.nan,
-                   saving_note=note, source=source, paths=list(paths), cls="memory", details=[d])
+                   saving_note=note, source=source, paths=list(paths), cls="memory", details=[d],
+                   applyable=applyable)
 
 
 def layer_costs(mem: dict, ops: pd.DataFrame, steps: int) -> pd.DataFrame:
@@ -97,8 +99,9 @@ def find_checkpointing(ops: pd.DataFrame, summary: dict) -> list[Finding]:
         evidence=(f"activations {_gib(act)} of the {_gib(mem['peak_bytes'])} peak ({mem['peak_moment']}); "
                   f"most saved per forward ms: {ranked}"),
         change="activation checkpointing on these layers, most bytes per recompute ms first",
-        how="torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) in the model's forward",
-        saving=saving, cost_ms=cost, paths=layers["layer"].tolist(),
+        how=("kprof apply --patch activation_checkpointing --prefer memory (these layers), or "
+             "torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) in the model's forward"),
+        saving=saving, cost_ms=cost, paths=layers["layer"].tolist(), applyable=True,
         note=(f"saves up to {_gib(saving)} at the peak (the layers' saved activations; each keeps its "
               f"input); costs their forward again in the backward, "
               + (f"{cost:.2f} ms/step" if math.isfinite(cost) else "time unknown")),
