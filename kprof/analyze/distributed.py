@@ -130,7 +130,7 @@ def merge_ranks(summaries: Sequence[dict], world_size: int) -> dict:
         })
     table = pd.DataFrame(rows)
     present = set(table["rank"]) if len(table) else set()
-    out: dict = {"world_size": int(world_size), "ranks": store_records(table),
+    out: dict = {"world_size": int(world_size), "ranks": _records(table),
                  "missing_ranks": sorted(set(range(world_size)) - present)}
     steps = table["step ms"].dropna() if len(table) else pd.Series(dtype=float)
     if len(steps) >= 2:
@@ -150,6 +150,6 @@ def merge_ranks(summaries: Sequence[dict], world_size: int) -> dict:
     return out
 
 
-def store_records(df: pd.DataFrame) -> list[dict]:
+def _records(df: pd.DataFrame) -> list[dict]:
     return [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
             for r in df.to_dict("records")]

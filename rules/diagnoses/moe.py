@@ -180,16 +180,23 @@ def _patch_first(bs: list[dict]) -> str:
     return f"kprof apply --patch {PATCH_ID} removes them, or in the code: " if any(map(_patchable, bs)) else ""
 
 
+def _block_rows(ops: pd.DataFrame, bs: list[dict]) -> np.ndarray:
+    """The forward and backward op rows under any of the blocks `bs`."""
+    mods = ops["module"].astype(str)
+    sel = np.zeros(len(ops), dtype=bool)
+    for b in bs:
+        sel |= _under(mods, b["path"]).to_numpy()
+    if "phase" in ops:
+        sel &= ops["phase"].isin(["fwd", "bwd"]).to_numpy()
+    return sel
+
+
 def _fused_find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
     """The apply-able row: the blocks the fused patch may take (the live match decides)."""
     bs = [b for b in blocks(ops, summary) if _patchable(b)]
     if not bs:
         return []
-    mods = ops["module"].astype(str)
-    sel = np.zeros(len(ops), dtype=bool)
-    for b in bs:
-        sel |= _under(mods, b["path"]).to_numpy()
-    sel &= ops["phase"].isin(["fwd", "bwd"]).to_numpy() if "phase" in ops else True
+    sel = _block_rows(ops, bs)
     return [Finding(
         where=_where(bs), evidence=f"{len(bs)} MoE block(s) with {bs[0]['score']} top-{bs[0]['top_k']} routing, "
                                    f"dispatch: {bs[0]['dispatch']}",
@@ -204,11 +211,7 @@ def _block_find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
     bs = blocks(ops, summary)
     if not bs:
         return []
-    mods = ops["module"].astype(str)
-    sel = np.zeros(len(ops), dtype=bool)
-    for b in bs:
-        sel |= _under(mods, b["path"]).to_numpy()
-    sel &= ops["phase"].isin(["fwd", "bwd"]).to_numpy() if "phase" in ops else True
+    sel = _block_rows(ops, bs)
     b0 = bs[0]
     desc = (f"{b0['num_experts']} experts, top-{b0['top_k']}, {b0['score']} scores"
             + (f", group-limited ({b0['group_limited']['groups_kept']} of {b0['group_limited']['groups']} groups)"
