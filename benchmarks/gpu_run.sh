@@ -31,6 +31,13 @@ run_group() {
   tail -n "$lines" "$log"
   return "$rc"
 }
+# At most 8 files come back: the CSVs and HTML reports as they are, everything else (logs, run
+# dirs without their traces, the calibration cache) in one tarball, re-made after each stage so
+# that a call cut at its limit still returns what finished.
+pack() {
+  ( cd "$OUT" && tar czf .artifacts.tgz --exclude='trace.json.gz' --exclude='*.csv' --exclude='*.html' \
+      --exclude='artifacts.tgz' --exclude='.artifacts.tgz' --exclude='*.pickle' --exclude='.cache' --exclude='cache' . 2>/dev/null && mv .artifacts.tgz artifacts.tgz )
+}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
@@ -54,6 +61,13 @@ if has gputests; then
   MARK=${TEST_MARK-gpu}
   run_group "$OUT/pytest-gpu.log" 30 timeout ${TEST_TIMEOUT:-280} python3 -m pytest -v -rfE -n ${TEST_WORKERS:-4} \
     ${MARK:+-m "$MARK"} -p no:cacheprovider --junitxml="$OUT/junit-gpu.xml" ${GPU_TESTS:-tests}
+  pack
+fi
+if has large; then
+  # The gpu_large tests alone, one at a time (run gputests with TEST_MARK="gpu and not gpu_large").
+  run_group "$OUT/pytest-large.log" 20 timeout ${LARGE_TEST_TIMEOUT:-200} python3 -m pytest -v -rfE -m gpu_large \
+    -p no:cacheprovider --junitxml="$OUT/junit-large.xml" tests
+  pack
 fi
 if has bench; then
   timeout ${BENCH_TIMEOUT:-540} python3 benchmarks/bench_kernels.py --csv "$OUT/kernels.csv" ${BENCH_ONLY:+--only $BENCH_ONLY} 2>&1 | tee "$OUT/bench.log" | tail -60
@@ -91,8 +105,44 @@ fi
 if has compare_gpt; then
   timeout ${COMPARE_GPT_TIMEOUT:-200} kprof apply examples/gpt_train.py --compare --out "$OUT/runs" -- --device cuda --dtype bfloat16 ${COMPARE_GPT_ARGS:---batch-size 8 --seq-len 1024} 2>&1 | tee "$OUT/compare_gpt.log" | tail -40
 fi
-# At most 8 files come back: the CSVs as they are, everything else (logs, run dirs without their
-# traces, the calibration cache) in one tarball.
-( cd "$OUT" && tar czf artifacts.tgz --exclude='trace.json.gz' --exclude='*.csv' --exclude='artifacts.tgz' . 2>/dev/null \
-  && find . -mindepth 1 -maxdepth 1 ! -name '*.csv' ! -name artifacts.tgz -exec rm -rf {} + )
+if has ablation; then
+  # Issue 18: apply's ablation per workload (benchmarks/bench_apply_ablation.py); its JSON and
+  # markdown are rewritten after each workload, so a cut call keeps the finished ones.
+  timeout ${ABL_TIMEOUT:-420} python3 benchmarks/bench_apply_ablation.py --out "$OUT/ablation" \
+    --workloads ${ABL_WORKLOADS:-llama1b,llama150m,mixtral,decoder} --timeout ${ABL_CALL_TIMEOUT:-300} ${ABL_ARGS:-} \
+    >"$OUT/ablation.log" 2>&1; tail -60 "$OUT/ablation.log"; pack
+fi
+# The stages below read the 1B Llama's plan run that `ablation` (workload llama1b) profiled.
+RUN1B=$(ls -d "$OUT"/ablation/runs/llama1b/*/ 2>/dev/null | grep -v apply | head -1)
+if has html && [[ -n "$RUN1B" ]]; then
+  # Issue 24: the 1B Llama's self-contained HTML report, kept as the example under docs/.
+  timeout 120 kprof report "$RUN1B" --html "$OUT/report-llama1b.html" 2>&1 | tail -5
+  timeout 60 kprof report "$RUN1B" --memory >"$OUT/memory-llama1b.txt" 2>&1; tail -40 "$OUT/memory-llama1b.txt"
+  timeout 60 kprof report "$RUN1B" --memory --json >"$OUT/memory-llama1b.json" 2>/dev/null; pack
+fi
+if has drift && [[ -n "$RUN1B" ]]; then
+  # Issue 22: a planted drifting RMSNorm (benchmarks/planted/), kept with --keep-losers: the
+  # whole-run loss watch must call it diverged (exit 3) and write nothing.
+  timeout ${DRIFT_TIMEOUT:-240} kprof apply examples/llama_train.py --run "$RUN1B" --out "$OUT/ablation/runs/llama1b" \
+    --rules benchmarks/planted --patch drift_rms_norm --keep-losers --json --write "$OUT/drift-keep.py" \
+    -- --preset 1b --device cuda --steps 400 >"$OUT/drift.json" 2>"$OUT/drift.err"; echo "drift exit $?"
+  tail -5 "$OUT/drift.err"; pack
+fi
+if has hostcost; then
+  timeout ${HOSTCOST_TIMEOUT:-120} python3 benchmarks/host_cost_per_kernel.py --csv "$OUT/host-cost-per-kernel.csv" \
+    >"$OUT/hostcost.log" 2>&1; tail -30 "$OUT/hostcost.log"; pack
+fi
+if has moe; then
+  timeout ${MOE_TIMEOUT:-150} python3 benchmarks/bench_moe_kernels.py --csv "$OUT/moe-router.csv" \
+    >"$OUT/moe.log" 2>&1; tail -30 "$OUT/moe.log"; pack
+fi
+if has compiled; then
+  timeout ${COMPILED_TIMEOUT:-240} python3 benchmarks/compiled_attribution.py --out "$OUT/compiled" \
+    >"$OUT/compiled.log" 2>&1; tail -40 "$OUT/compiled.log"; pack
+fi
+if has ncu; then
+  timeout ${NCU_TIMEOUT:-300} python3 benchmarks/ncu_agreement.py --out "$OUT/ncu" ${NCU_ARGS:-} \
+    >"$OUT/ncu.log" 2>&1; tail -40 "$OUT/ncu.log"; pack
+fi
+pack
 ls -la "$OUT"
