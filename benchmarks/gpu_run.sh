@@ -120,7 +120,14 @@ if has html && [[ -n "$RUN1B" ]]; then
   timeout 60 kprof report "$RUN1B" --memory >"$OUT/memory-llama1b.txt" 2>&1; tail -40 "$OUT/memory-llama1b.txt"
   timeout 60 kprof report "$RUN1B" --memory --json >"$OUT/memory-llama1b.json" 2>/dev/null; pack
 fi
-if has drift && [[ -n "$RUN1B" ]]; then
+if has drift; then
+  if [[ -z "$RUN1B" ]]; then
+    timeout 200 kprof profile examples/llama_train.py --out "$OUT/ablation/runs/llama1b" --warmup 3 --steps 5 \
+      -- --preset 1b --device cuda --steps 400 >"$OUT/drift-profile.log" 2>&1
+    RUN1B=$(ls -d "$OUT"/ablation/runs/llama1b/*/ 2>/dev/null | head -1)
+  fi
+  # the plan must know the planted rule: suggest with --rules writes it into the run's plan
+  timeout 60 kprof suggest "$RUN1B" --out "$OUT/ablation/runs/llama1b" --rules benchmarks/planted >"$OUT/drift-suggest.log" 2>&1
   # Issue 22: a planted drifting RMSNorm (benchmarks/planted/), kept with --keep-losers: the
   # whole-run loss watch must call it diverged (exit 3) and write nothing.
   timeout ${DRIFT_TIMEOUT:-240} kprof apply examples/llama_train.py --run "$RUN1B" --out "$OUT/ablation/runs/llama1b" \

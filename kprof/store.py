@@ -391,7 +391,7 @@ _FIELDS: dict[str, tuple] = {
     "step_time_ms": (dict, None), "profiled_step_time_ms": (dict, None), "tokens_per_step": (*_NUM, None),
     "tokens_per_s": (*_NUM, None), "peak_memory_bytes": (*_NUM, None), "busy_pct": (*_NUM, None),
     "coverage_pct": (*_NUM, None), "profiler_overhead_pct": (*_NUM, None), "class_breakdown": (list, None),
-    "top_ops": (list, None), "syncs": (list, None), "losses": (list, None), "module_classes": (dict, None),
+    "top_ops": (list, None), "syncs": (list, None), "losses": (list, None), "loss_dtype": (str, None), "module_classes": (dict, None),
     "warnings": (list, None), "error": (str, None), "exit_code": (int, None), "status_note": (str, None),
     "analysis_error": (str, None), "apply_of": (dict, None),
 }

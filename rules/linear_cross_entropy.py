@@ -234,14 +234,14 @@ def _cross_entropy(s: LazyLogits, rest, kwargs):
 def _fused(hidden, weight, bias, target, ignore, reduction, smoothing, out_dtype):
     ac = _autocast_dtype(hidden)
     dt = ac or hidden.dtype
+    # The caller gets the dtype the replaced code returned: cross-entropy on logits of `out_dtype`
+    # (fp32 where Hugging Face upcasts them), and fp32 under autocast, which runs cross-entropy in
+    # fp32. The kernel sums in fp32 and rounds once, to that dtype: never via the input dtype.
+    want = torch.float32 if ac is not None else out_dtype
     with (torch.autocast(hidden.device.type, enabled=False) if ac else contextlib.nullcontext()):
         loss = kernel_fn(KERNEL)(hidden.to(dt), weight.to(dt), target, None if bias is None else bias.to(dt),
-                                 ignore_index=ignore, reduction=reduction, label_smoothing=smoothing)
-    # The kernel's loss is in the input dtype (fp32 inside, rounded once); verification judges it
-    # against an fp32 truth at that dtype. The caller gets the dtype the replaced code returned:
-    # cross-entropy on logits of `out_dtype` (fp32 where Hugging Face upcasts them), and fp32
-    # under autocast, which runs cross-entropy in fp32.
-    want = torch.float32 if ac is not None else out_dtype
+                                 ignore_index=ignore, reduction=reduction, label_smoothing=smoothing,
+                                 loss_dtype=want)
     return loss if loss.dtype == want else loss.to(want)
 
 

@@ -363,6 +363,7 @@ def build_summary(raw, a: dict | None) -> dict[str, Any]:
         "sync_steps": getattr(raw, "sync_steps", 0),  # steps the sync detector watched
         "routing": list(getattr(raw, "routing", None) or []),  # topk choices per module, shapes step
         "losses": list(raw.losses),
+        "loss_dtype": getattr(raw, "loss_dtype", None),
         "module_classes": dict(raw.module_classes),
         "wall_time_s": raw.wall_time_s,
         # torch.compile: Inductor kernel attribution, graph breaks, recompiles (analyze/compiled.py)

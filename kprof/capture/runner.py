@@ -153,6 +153,7 @@ class RawRun:
     wall_time_s: float
     # Beyond the shared contract (all have defaults):
     message: str | None = None  # one line for the user, e.g. why the script was stopped
+    loss_dtype: str | None = None  # the coarsest dtype the losses were returned in ("torch.bfloat16")
     peak_memory_label: str | None = None  # what peak_memory_bytes measures
     steps_before_timing: int = 0  # untouched steps actually run (>= warmup when auto decided late)
     profiler_warmup_steps: int = PROFILER_WARMUP_STEPS
@@ -1375,6 +1376,12 @@ class _Session:
             self.loss_cur.append(t.data)
         self.any_loss = True
 
+    def _loss_dtype(self) -> str | None:
+        """The coarsest floating dtype among the recorded losses: a loss returned in bf16 is only
+        known to its spacing (0.06 near 12), which bounds how closely two runs can be compared."""
+        dts = {t.dtype for step in self.losses_by_step for t in step if t.is_floating_point()}
+        return str(max(dts, key=lambda d: torch.finfo(d).eps)) if dts else None
+
     def _losses(self) -> list[float]:
         if not self.any_loss or not self.losses_by_step:
             return []
@@ -1452,6 +1459,7 @@ class _Session:
             syncs=self.syncs,
             syncs_cpu=self.syncs_cpu,
             losses=self._losses(),
+            loss_dtype=self._loss_dtype(),
             tokens_per_step=self._tokens(),
             module_classes=dict(self.module_classes),
             wall_time_s=wall,

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import pandas as pd
+import torch
 
 from kprof import store
 from kprof.analyze.profile import load_run, profile_script
@@ -181,16 +182,26 @@ def _last_line(text: str | None) -> str:
 K_DIVERGENCE = 10.0  # a patched loss further from the plan's than 10x the unpatched runs' spread diverged
 
 
+def loss_floor(loss: float, loss_dtype: str | None = None) -> float:
+    """How closely one loss value is known: the fp32 row of the tolerance table at |loss| (the
+    floor where two unpatched runs agree bit for bit), plus one spacing of the dtype the losses
+    were returned in (a bf16 loss near 12 is only known to 0.06). Not the patched kernels' own
+    tolerance: with bf16's, the limit near a loss of 3 was 0.58 and a planted drifting RMSNorm
+    (10% off by its 100th call) moved the 1B Llama's loss by 0.107 unnoticed (H200)."""
+    eps = 0.0
+    if loss_dtype:
+        dt = getattr(torch, str(loss_dtype).removeprefix("torch."), None)
+        eps = torch.finfo(dt).eps if isinstance(dt, torch.dtype) and dt.is_floating_point else 0.0
+    return 1e-5 + 2e-5 * abs(loss) + eps * abs(loss)
+
+
 def loss_watch(before: Sequence[float], control: Sequence[float], after: Sequence[float],
-               tol=None) -> dict:
+               loss_dtype: str | None = None) -> dict:
     """Every step's loss of the patched run (`after`) against the plan's unpatched run
     (`before`), under the same seed and data. `control` is a second unpatched run: the
     spread |before - control| up to each step is what two runs of the same code differ by.
-    Step i diverged when |after - before| > K_DIVERGENCE x max(that spread, one tolerance of the
-    patched dtype at the loss: atol + rtol |loss|, the floor where unpatched runs agree bit for
-    bit)."""
+    Step i diverged when |after - before| > K_DIVERGENCE x max(that spread, `loss_floor`)."""
     n = min(len(before), len(control), len(after))
-    atol, rtol = (tol.atol, tol.rtol) if tol is not None else (1e-5, 2e-5)
     spread = worst = 0.0
     checked = 0
     for i in range(n):
@@ -198,7 +209,7 @@ def loss_watch(before: Sequence[float], control: Sequence[float], after: Sequenc
         if not all(math.isfinite(x) for x in (b, c)):
             continue
         spread = max(spread, abs(b - c))
-        limit = K_DIVERGENCE * max(spread, atol + rtol * abs(b))
+        limit = K_DIVERGENCE * max(spread, loss_floor(b, loss_dtype))
         d = abs(a - b) if math.isfinite(a) else math.inf
         checked += 1
         if d > limit:
@@ -692,13 +703,10 @@ def apply(
         if control.status in ("error", "interrupted") or not control.losses:
             notes.append("the unpatched control run for the loss watch did not finish, so the losses were "
                          "compared with the dtype's tolerance only")
-        from kprof.kernels.common import TOLERANCE
-        from kprof.patching.verify import COARSENESS
-
-        dts = [r.verification.dtype for r in recs if r.verification is not None]
-        dt = max(dts, key=COARSENESS.__getitem__) if dts else None
+        dts = [d for d in (before.summary.get("loss_dtype"), after.summary.get("loss_dtype")) if d]
+        loss_dt = max(dts, key=lambda d: loss_floor(1.0, d)) if dts else None
         ctl = control.losses if control.losses else before.summary["losses"]
-        watch = loss_watch(before.summary["losses"], ctl, after.summary["losses"], TOLERANCE.get(dt))
+        watch = loss_watch(before.summary["losses"], ctl, after.summary["losses"], loss_dt)
     res = ApplyResult(before, after, ids, reports, compare(before, after),
                       suggestions_frame(plan, ids, abl.reports, result_ablation, kept, abl.declined),
                       losses, agree, tol, write_lines(kept, strict, checkpoint_paths(plan)) if kept else "", notes,
