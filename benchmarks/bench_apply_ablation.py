@@ -81,7 +81,9 @@ def run_workload(name: str, out: Path, steps: int | None, compare: bool, timeout
     noise = (st.get("p90") or 0) - (st.get("median") or 0)
     row["noise_ms"] = noise
     row["never_slower"] = doc["after_ms"] is not None and doc["after_ms"] <= doc["before_ms"] + noise
-    row["speedup"] = doc["before_ms"] / doc["after_ms"] if doc.get("after_ms") else None
+    # With nothing kept the after run is the unpatched script in a second process: its ratio to
+    # before is process-to-process noise (64.1 vs 54.4 ms on the 150M Llama, H200), not a speed-up.
+    row["speedup"] = doc["before_ms"] / doc["after_ms"] if doc.get("after_ms") and doc.get("kept") else None
     if name == "llama1b":
         row["speedup_ok_1b"] = row["speedup"] is not None and row["speedup"] >= SPEEDUP_1B
     return row
@@ -101,8 +103,9 @@ def markdown(rows: list[dict], when: str) -> str:
             continue
         d = r["apply"]
         ab = d.get("ablation") or {}
+        ratio = f"{_ms(r['speedup'])}x" if r["speedup"] else "nothing kept: the unpatched script again"
         out.append(f"- before {_ms(d['before_ms'])} ms, after {_ms(d['after_ms'])} ms "
-                   f"({_ms(r['speedup'])}x); plan run noise (p90 - median) {_ms(r['noise_ms'])} ms")
+                   f"({ratio}); plan run noise (p90 - median) {_ms(r['noise_ms'])} ms")
         out.append(f"- never slower beyond noise: {'yes' if r['never_slower'] else 'NO'}"
                    + (f"; >= {SPEEDUP_1B}x: {'yes' if r.get('speedup_ok_1b') else 'NO'}" if "speedup_ok_1b" in r
                       else ""))
