@@ -59,7 +59,11 @@ fi
 if has gputests; then
   # The tests of GPU_TESTS (default: all) marked TEST_MARK (default gpu; TEST_MARK= for all of them).
   MARK=${TEST_MARK-gpu}
+  # --timeout (pytest-timeout, in the device image): a hung test fails with its stack instead of
+  # the stage's limit cutting pytest before it prints any traceback (test_compare_llama_tiny_on_gpu
+  # hung twice on 2026-12-02 and took the failures' tracebacks with it).
   run_group "$OUT/pytest-gpu.log" 30 timeout ${TEST_TIMEOUT:-280} python3 -m pytest -v -rfE -n ${TEST_WORKERS:-4} \
+    --timeout=${PER_TEST_TIMEOUT:-100} \
     ${MARK:+-m "$MARK"} -p no:cacheprovider --junitxml="$OUT/junit-gpu.xml" ${GPU_TESTS:-tests}
   pack
 fi
