@@ -13,6 +13,8 @@ import random
 import textwrap
 from pathlib import Path
 
+import statistics
+
 import pytest
 import typer
 from typer.testing import CliRunner
@@ -60,6 +62,9 @@ def test_faster_kept_slower_dropped_noisy_undecided():
     # all off vs all on: fast (-5) and slow (+3) together save 2 ms
     assert res.total.saving_ms == pytest.approx(2.0, abs=0.5)
     assert res.config_ms[ab.ALL_ON] < res.config_ms[ab.ALL_OFF]
+    # the raw times behind each median, one per counted block, in block order
+    assert all(len(v) == ab.DEFAULT_BLOCKS for v in res.times_by_config.values())
+    assert res.config_ms[ab.ALL_ON] == pytest.approx(statistics.median(res.times_by_config[ab.ALL_ON]))
 
 
 def test_one_group_pairs_all_off_with_all_on():

@@ -211,6 +211,9 @@ class Ablation:
     steps: int  # timed steps the ablation ran (warm block included)
     config_ms: dict[str, float] = field(default_factory=dict)  # median step time per configuration
     peak_bytes: dict[str, float] = field(default_factory=dict)  # median peak memory per configuration
+    # every counted step's time per configuration, in block order: the noise itself, to read where
+    # a wide interval comes from (one slow block, or a drift across the run)
+    times_by_config: dict[str, list[float]] = field(default_factory=dict)
 
     def decision(self, rule: str) -> Decision | None:
         return next((d for d in self.decisions if rule in d.group), None)
@@ -290,14 +293,14 @@ def decide(groups: Sequence[tuple[str, ...]], steps: Sequence[Config], times_ms:
         total = _judge(tuple(r for g in groups for r in g), _paired(t, ALL_OFF, ALL_ON, blocks),
                        _paired(m, ALL_OFF, ALL_ON, blocks), peak_on, "time")
     by_conf: dict[str, list[float]] = {}
-    for (_, c), v in t.items():
+    for (_, c), v in sorted(t.items()):
         by_conf.setdefault(c, []).append(v)
     by_peak: dict[str, list[float]] = {}
     for (_, c), v in m.items():
         by_peak.setdefault(c, []).append(v)
     return Ablation(list(map(tuple, groups)), decisions, total, len(full), min(len(times_ms), len(steps)),
                     {c: statistics.median(v) for c, v in by_conf.items()},
-                    {c: statistics.median(v) for c, v in by_peak.items()})
+                    {c: statistics.median(v) for c, v in by_peak.items()}, by_conf)
 
 
 def batch_headroom(peak_before: float, peak_after: float, static: float) -> float | None:
