@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 from kprof.analyze.profile import profile_script
 from kprof.cli import patch_cmds as cli_patch
 from kprof.patching import ablation as ab
+from kprof.patching.apply import code_change
 
 # ---------------------------------------------------------------------------------------------
 # The decision function on synthetic step times
@@ -288,3 +289,16 @@ def test_compiled_script_declines_the_ablation(tmp_path):
     assert row["verdict"] == "not measured" and not row["kept"]
     assert "--compare" in res.recommendation
     assert res.to_dict()["ablation_declined"] == res.declined
+
+
+def test_code_change_named_is_the_largest_time_saving():
+    # The ~150M Llama's plan on the H200 (trimmed): memory fixes listed first, time ones after.
+    diags = [
+        {"id": "activation_checkpointing", "class": "memory", "saving ms/step": None},
+        {"id": "large_vocab_logits", "class": "memory", "saving ms/step": -0.0},
+        {"id": "strided_elementwise", "class": "memory-bound, under-used", "saving ms/step": 1.02},
+        {"id": "strided_elementwise", "class": "memory-bound, under-used", "saving ms/step": 1.25, "where": "mul"},
+    ]
+    assert code_change(diags)["where"] == "mul"
+    assert code_change(diags[:2]) is None  # no time saving: nothing to name under --prefer time
+    assert code_change(diags[:2], "memory")["id"] == "activation_checkpointing"
