@@ -151,6 +151,11 @@ if has compiled; then
   timeout ${COMPILED_TIMEOUT:-240} python3 benchmarks/compiled_attribution.py --out "$OUT/compiled" \
     >"$OUT/compiled.log" 2>&1; tail -40 "$OUT/compiled.log"; pack
 fi
+if has memfix; then
+  # Issue 28: kprof's checkpointing pick against every layer on the 1B Llama; largest batch on GPT-2 small.
+  timeout ${MEMFIX_TIMEOUT:-420} python3 benchmarks/bench_memory_fixes.py --out "$OUT/memfix" ${MEMFIX_ARGS:-} \
+    >"$OUT/memfix.log" 2>&1; tail -30 "$OUT/memfix.log"; pack
+fi
 if has ncu; then
   timeout ${NCU_TIMEOUT:-300} python3 benchmarks/ncu_agreement.py --out "$OUT/ncu" ${NCU_ARGS:-} \
     >"$OUT/ncu.log" 2>&1; tail -40 "$OUT/ncu.log"; pack

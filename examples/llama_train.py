@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weight and compute dtype; default: the preset's")
     p.add_argument("--log-every", type=int, default=4)
+    p.add_argument("--checkpoint-every-layer", action="store_true",
+                   help="Hugging Face's gradient checkpointing on every decoder layer (the usual memory fix, "
+                        "to compare with the layers kprof picks)")
     return p.parse_args(argv)
 
 
@@ -64,6 +67,8 @@ def main(argv: list[str] | None = None) -> None:
 
     model = build_model(args.preset, device, dtype)
     model.train()
+    if args.checkpoint_every_layer:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # fused=True: AdamW in one multi-tensor kernel per step (CUDA and CPU); probe, don't version-check.
     fused = "fused" in inspect.signature(torch.optim.AdamW).parameters
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, **({"fused": True} if fused else {}))
