@@ -168,9 +168,6 @@ def test_planted_script_one_break_at_its_line(planted):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="kprof's sync detector (a TorchFunctionMode) fails Dynamo's mode-stack "
-                   "guard at the same step, and Dynamo logs only the first failed guard per cache entry, so "
-                   "the scalar guard is hidden (torch 2.13); see the issue-27 report")
 def test_planted_script_one_recompile_at_its_line(planted):
     _, d = planted
     rc = d[d["id"] == "recompile"]

@@ -468,19 +468,19 @@ def test_torch_compile_model_does_not_crash(tmp_path):
 
     r = run_script(str(SCRIPTS / "train_compiled.py"), [], RunConfig(warmup=1, steps=2, trace_dir=str(tmp_path)), progress=progress)
     assert r.status == "stopped", r.error
-    # kprof's torch-function mode makes Dynamo compile once more, inside the profiler warm-up
-    # step; timed and recorded steps run without recompiling.
+    # kprof's sync detector (a torch function mode) stays off for compiled code, so nothing
+    # recompiles after the warm-up: one graph count through the timed and recorded steps.
     # (counts are read at step starts: "profiler-warmup" is the count when timing ended)
     timed = {n for phase, n in graphs if phase in ("timing", "profiler-warmup")}
     recorded = {n for phase, n in graphs if phase in ("profiling", "done")}
-    assert len(timed) == 1 and len(recorded) == 1, graphs
+    assert len(timed | recorded) == 1, graphs
     assert r.step_definition == "optimizer.step (AdamW)" and r.steps_recorded == 2
     # The compiled wrapper and the model share the root path; submodules run inside the
     # compiled graph, where hooks do not fire, so only the root has ranges.
     names = [e["name"] for e in kprof_ranges(r.trace_path)]
     assert names.count(f"{MODULE_RANGE_PREFIX}:TinyLM") == 2
     assert r.module_classes[""] == "TinyLM"
-    assert not r.warnings
+    assert len(r.warnings) == 1 and "host-sync detection by source line skipped" in r.warnings[0]
 
 
 @pytest.mark.slow
@@ -633,14 +633,26 @@ for _ in range(12):
 """
 
 
+# slow on a CPU: faking CUDA makes the profiler log a C++ warning with a stack trace for every op
+# (~5 s); the GPU run (benchmarks/gpu_run.sh runs the slow cases) checks it for real
+@pytest.mark.slow
 def test_cpu_only_script_on_a_cuda_machine_reports_rss_peak(tmp_path, monkeypatch):
     """A script that never touches CUDA on a machine that has it: the peak is the process RSS,
     labelled so, not missing (found on the H200: `--compare` of a CPU toy script had no peak)."""
-    if not torch.cuda.is_available():
+    faked = not torch.cuda.is_available()
+    if faked:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what the runner sees on a GPU host
     script = tmp_path / "cpu_only.py"
     script.write_text(_CPU_ONLY)
-    r = run_script(str(script), [], RunConfig(trace_dir=str(tmp_path), warmup=1, steps=2))
+    try:
+        r = run_script(str(script), [], RunConfig(trace_dir=str(tmp_path), warmup=1, steps=2))
+    finally:
+        if faked:
+            # Profiling CUDA on a machine without it leaves the profiler asking for CUDA events in
+            # its next session in this process, which then logs a C++ warning with a stack trace
+            # for every op (30 s in the next test's run); an empty CPU-only session clears it.
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+                pass
     assert r.status == "stopped" and r.steps_recorded == 2, r.message
     assert r.peak_memory_bytes and r.peak_memory_bytes > 10 * 2**20
     assert "RSS" in r.peak_memory_label
