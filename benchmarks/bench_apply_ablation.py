@@ -1,6 +1,6 @@
 """Issue 18 on the GPU: does `kprof apply` keep only the patches that win end to end?
 
-    python benchmarks/bench_apply_ablation.py --out DIR [--workloads llama1b,llama150m,mixtral,decoder]
+    python benchmarks/bench_apply_ablation.py --out DIR [--workloads llama1b,llama150m,mixtral,decoder,nanogpt]
                                               [--steps N] [--compare] [--timeout 560] [--script-args ARGS]
 
 Per workload, each in its own processes: `kprof profile` (3 warm-up + 5 timed steps), optionally
@@ -34,6 +34,8 @@ WORKLOADS = {
     "llama150m": (ROOT / "benchmarks" / "workloads" / "hf_llama_150m.py", ["--steps", "400"]),
     "mixtral": (ROOT / "benchmarks" / "workloads" / "hf_mixtral_small.py", ["--steps", "400"]),
     "decoder": (ROOT / "benchmarks" / "workloads" / "decoder.py", ["--steps", "400"]),
+    # issue 20's: apply >= 2.0x eager with SDPA and the fused optimizer installed, verified, kept
+    "nanogpt": (ROOT / "benchmarks" / "workloads" / "nanogpt.py", ["--steps", "400"]),
 }
 SPEEDUP_1B = 1.31  # the 1B Llama's kprof speed-up over eager before issue 18 (README Status table)
 
