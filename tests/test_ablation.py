@@ -54,7 +54,7 @@ def test_faster_kept_slower_dropped_noisy_undecided():
     assert by["fast"].verdict == "kept" and by["fast"].saving_ms == pytest.approx(5.0, abs=0.5)
     assert by["fast"].lo_ms > 0 and by["fast"].n == ab.DEFAULT_BLOCKS
     assert by["slow"].verdict == "dropped" and by["slow"].saving_ms == pytest.approx(-3.0, abs=0.5)
-    assert "costs" in by["slow"].reason and "n=10" in by["slow"].reason
+    assert "costs" in by["slow"].reason and f"n={ab.DEFAULT_BLOCKS}" in by["slow"].reason
     assert by["noisy"].verdict == "undecided" and by["noisy"].spread_ms > 5
     assert "spread" in by["noisy"].reason
     assert by["nothing"].verdict == "undecided"
