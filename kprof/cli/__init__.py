@@ -294,8 +294,9 @@ def report_cmd(
                                           "kprof's class, instead of the per-op report.")] = False,
     html: Annotated[Optional[str], typer.Option(
         "--html", metavar="[FILE]",
-        help="Write a self-contained HTML report (roofline, classes, top ops, syncs, suggestions; "
-             "no network needed to view it) to FILE, default <run>/report.html.")] = None,
+        help="Write a self-contained HTML report (roofline, step timeline, module tree, top ops, syncs, "
+             "suggestions; of an apply's run, the before/after view; no network needed to view it) to FILE, "
+             "default <run>/report.html.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Let --html replace an existing file (kept as FILE.bak, "
                                         "or the next free FILE.bak.N).")] = False,
 ) -> None:
@@ -304,7 +305,7 @@ def report_cmd(
 
     r = store.load_run(run, out)
     if html is not None:
-        _write_html(r, html, force=force, json_out=json_out)
+        _write_html(r, html, force=force, json_out=json_out, root=out)
         return
     if memory:
         if json_out:
@@ -334,38 +335,123 @@ def report_cmd(
         render_compare(CompareResult.from_dict(load_compare(r.path)), console)
 
 
-def _write_html(r: store.Run, html: str, *, force: bool, json_out: bool) -> None:
+def _write_html(r: store.Run, html: str, *, force: bool, json_out: bool, root: Path) -> None:
     """`kprof report --html`: the report of what the run has; a missing or corrupt op table,
     trace or plan is named in the page (and on stderr), never an error."""
-    from kprof.analyze.report import report_data
-    from kprof.cli.html import render_html
-
-    path = Path(r.path) / "report.html" if html == DEFAULT_HTML else Path(html)
-    store.check_write_target(path, force=force, option="--html", example="report.html")
-    missing: list[str] = []
-    try:
-        ops = store.load_ops(r.path)
-    except KprofError as e:  # the summary's own tables still make a report
-        ops = None
-        missing.append(f"op table: {e}; the roofline needs it")
-    missing += _trace_problem(Path(r.path))
-    try:
-        plan = store.read_json(r.path, store.PLAN)
-        if plan is None:
-            missing.append(f"{store.PLAN}: no suggestions yet; run `kprof suggest {r.name}`")
-    except KprofError as e:
-        plan = None
-        missing.append(f"{store.PLAN}: {e}")
-    trace = Path(r.path) / store.TRACE
-    text = render_html(report_data(r.summary, ops, plan, run_name=r.name, missing=missing,
-                                   trace_path=str(trace) if trace.is_file() else None))
-    bak = store.write_keep_file(path, text)
+    path, bak, missing = write_html(r, html, force=force, root=root)
     if json_out:
         print_json({"run": r.name, "html": str(path), "backup": str(bak) if bak else None, "missing": missing})
         return
     for m in missing:
         err_console.print(Text(f"missing: {m}", style="yellow"))
     console.print(Text(f"report {path}" + (f" (the old file kept as {bak})" if bak else "")))
+
+
+def html_path(run_path: Path, html: str) -> Path:
+    return Path(run_path) / "report.html" if html == DEFAULT_HTML else Path(html)
+
+
+def write_html(r: store.Run, html: str, *, force: bool, root: Path, rules_dir: str | None = None,
+               checked: bool = False) -> tuple[Path, Path | None, list[str]]:
+    """Write the HTML report of run `r` (the before/after view for the run of a `kprof apply`):
+    (the file, its backup or None, what the run lacks). `checked`: the target was refused or
+    accepted already (apply checks it before its runs)."""
+    import os
+    from urllib.parse import quote
+
+    from kprof.analyze.report import report_data
+    from kprof.cli import html as page
+
+    path = html_path(r.path, html)
+    if not checked:
+        store.check_write_target(path, force=force, option="--html", example="report.html")
+    missing: list[str] = []
+    ops = _html_ops(Path(r.path), missing)
+    missing += _trace_problem(Path(r.path))
+    view = _apply_view(r, root, missing)
+    before = b_ops = None
+    if view is not None:
+        doc, before = view
+        if before is not None:
+            b_ops = _html_ops(Path(before.path), missing, f"before run {before.name}: ")
+        plan = _html_plan(before, missing, f"{store.PLAN} of the before run {before.name}: none; the patches' "
+                          "module paths are matched again") if before else None
+    else:
+        plan = _html_plan(r, missing, f"{store.PLAN}: no suggestions yet; run `kprof suggest {r.name}`")
+    trace = Path(r.path) / store.TRACE
+    d = report_data(r.summary, ops, plan, run_name=r.name, missing=missing,
+                    trace_path=str(trace) if trace.is_file() else None)
+    if trace.is_file():  # relative to the page, as a URL
+        d["trace_href"] = quote(Path(os.path.relpath(trace.resolve(), path.resolve().parent)).as_posix())
+    d["meta"] = page.run_meta(r.summary)
+    d["timeline"] = page.step_timeline(r.summary, ops)
+    d["modules"] = page.module_tree(ops, page.n_steps(r.summary, ops), r.summary.get("module_classes"),
+                                    b_ops, page.n_steps(before.summary if before else None, b_ops))
+    if view is not None:
+        from kprof.rules import MEMORY_RULES, all_rules
+
+        if b_ops is not None:  # the roofline is the before run's, the arrows start on it
+            bd = report_data(before.summary, b_ops, None, run_name=before.name)
+            d["points"], d["ceilings"], d["roofline_of"] = bd["points"], bd["ceilings"], before.name
+        d["before_after"] = page.before_after(doc, [*all_rules(rules_dir), *MEMORY_RULES],
+                                              before_summary=before.summary if before else None, before_ops=b_ops,
+                                              before_plan=plan, after_summary=r.summary, after_ops=ops)
+    bak = store.write_keep_file(path, page.render_html(d))
+    return path, bak, missing
+
+
+def _html_ops(run_path: Path, missing: list[str], who: str = ""):
+    try:
+        return store.load_ops(run_path)
+    except KprofError as e:  # the summary's own tables still make a report
+        missing.append(f"{who}op table: {e}; the roofline needs it")
+        return None
+
+
+def _html_json(run_path: Path, name: str, missing: list[str], then: str = "") -> dict | None:
+    """A run's JSON file, None where absent or corrupt (named in `missing`, with `then`)."""
+    try:
+        return store.read_json(run_path, name)
+    except KprofError as e:
+        missing.append(f"{name}: {e}{then}")
+        return None
+
+
+def _html_plan(r: store.Run, missing: list[str], absent: str) -> dict | None:
+    if not (Path(r.path) / store.PLAN).is_file():
+        missing.append(absent)
+    return _html_json(Path(r.path), store.PLAN, missing)
+
+
+def _apply_view(r: store.Run, root: Path, missing: list[str]) -> tuple[dict, store.Run | None] | None:
+    """For the patched run of a `kprof apply`: its apply.json (or, for an apply that did not finish,
+    the `apply_of` mark in its summary) and its before run, looked for beside it, then in `root`.
+    None for any other run."""
+    mark = r.summary.get("apply_of") or {}
+    if (Path(r.path) / store.APPLY).is_file():
+        doc = _html_json(Path(r.path), store.APPLY, missing, "; no before/after view")
+        if not isinstance(doc, dict):
+            if doc is not None:
+                missing.append(f"{store.APPLY} is not an apply result (not a JSON object); no before/after view")
+            return None
+    elif not mark:
+        return None
+    else:
+        doc = {"before_run": mark.get("run"), "after_run": r.name,
+               "patches": [{"id": p} for p in mark.get("patches") or []]}
+        missing.append(f"{store.APPLY}: this apply did not finish (no ablation, no measured savings); its patches "
+                       "are those of the apply_of mark in summary.json")
+    name = str(doc.get("before_run") or mark.get("run") or "")
+    for cand in ([Path(r.path).parent / name, Path(root) / name] if name else []):
+        if (cand / store.SUMMARY).is_file():
+            try:
+                return doc, store.load_run(cand)
+            except KprofError as e:
+                missing.append(f"before run {name}: {e}; the roofline is this run's, without arrows")
+                return doc, None
+    missing.append(f"before run {name or '?'}: not found beside this run or in {root}; the roofline is this "
+                   "run's, without arrows")
+    return doc, None
 
 
 def _trace_problem(run_path: Path) -> list[str]:
@@ -417,13 +503,16 @@ cli_patch.register(app)
 
 
 def html_default(argv: list[str]) -> list[str]:
-    """`kprof report --html` with no FILE (last, or followed by another option) gets DEFAULT_HTML:
-    typer has no options with an optional value, so main() fills it in before parsing."""
-    if next((a for a in argv if not a.startswith("-")), None) != "report":
+    """`kprof report --html` and `kprof apply --html` with no FILE (last, or followed by another
+    option) get DEFAULT_HTML: typer has no options with an optional value, so main() fills it in
+    before parsing. What follows `--` is the script's."""
+    if next((a for a in argv if not a.startswith("-")), None) not in ("report", "apply"):
         return argv
     out = []
     for i, a in enumerate(argv):
         out.append(a)
+        if a == "--":
+            return out + argv[i + 1:]
         if a == "--html" and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
             out.append(DEFAULT_HTML)
     return out

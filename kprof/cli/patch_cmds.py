@@ -353,8 +353,12 @@ def apply_cmd(
                                         "'memory': also those that cost time but save peak memory.")] = "time",
     keep_losers: Annotated[bool, typer.Option("--keep-losers", help="Install (and --write) every verified patch, "
                                               "also those the ablation dropped.")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Let --write replace an existing file (kept as FILE.bak, "
-                                        "or the next free FILE.bak.N).")] = False,
+    html: Annotated[Optional[str], typer.Option(
+        "--html", metavar="[FILE]",
+        help="Then write the before/after HTML report (the before run's roofline with an arrow per patch, "
+             "savings predicted and measured) to FILE, default <after run>/report.html.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Let --write and --html replace an existing file (kept as "
+                                        "FILE.bak, or the next free FILE.bak.N).")] = False,
 ) -> None:
     """Time each planned patch on and off in SCRIPT's own steps, keep only those that make the step
     faster, and compare before/after; with --compare, against torch.compile too."""
@@ -373,6 +377,9 @@ def apply_cmd(
         if keep_losers or prefer != "time":
             raise KprofError("--keep-losers and --prefer go with a plain `kprof apply` run, not --compare",
                              exit_code=2)
+        if html is not None:
+            raise KprofError("--html goes with a plain `kprof apply` run, not --compare; the variants are saved as "
+                             "runs: `kprof report RUN --html` makes the page of one", exit_code=2)
         from kprof.patching.compare import compare as run_compare
 
         with stdout_to_stderr(json_out):
@@ -394,6 +401,10 @@ def apply_cmd(
 
     if write is not None:  # checked before the run, not after it
         check_write_target(write, str(script), force=force)
+    from kprof.cli import DEFAULT_HTML, write_html
+
+    if html is not None and html != DEFAULT_HTML:  # the default is in the run apply is about to save
+        check_write_target(Path(html), force=force, option="--html", example="report.html")
     try:
         with stdout_to_stderr(json_out):
             res = apply(str(script), list(ctx.args), patch=patch, run=run, strict=strict,
@@ -402,12 +413,27 @@ def apply_cmd(
     except KeyboardInterrupt:  # outside the script's runs (those say what they kept themselves)
         raise KprofError("interrupted during kprof apply, between its runs; nothing was written",
                          exit_code=INTERRUPTED) from None
+    page = None
+    if html is not None:
+        try:
+            page = write_html(store.load_run(res.after.path), html, force=force, root=out,
+                              rules_dir=str(rules) if rules else None, checked=html != DEFAULT_HTML)
+        except OSError as e:
+            raise KprofError(f"--html {html}: {e.strerror or e}; the runs are saved: `kprof report {res.after.name} "
+                             "--html FILE` writes the page") from None
     if json_out:
-        # apply.json's document (ApplyResult.to_dict), where it is saved, and the --write lines
+        # apply.json's document (ApplyResult.to_dict), where it is saved, the --write lines and the page
         print(json.dumps(res.to_dict() | {"apply": str(Path(res.after.path) / store.APPLY),
-                                          "write_lines": res.write_lines}, indent=1, allow_nan=False))
+                                          "write_lines": res.write_lines}
+                         | ({"html": str(page[0]), "html_missing": page[2]} if page else {}),
+                         indent=1, allow_nan=False))
     else:
         render_apply(res)
+    if page is not None:
+        out_c = err_console if json_out else console
+        for m in page[2]:
+            err_console.print(Text(f"missing: {m}", style="yellow"))
+        out_c.print(Text(f"report {page[0]}" + (f" (the old file kept as {page[1]})" if page[1] else "")))
     if res.watch is not None and res.watch["diverged"]:
         from kprof.errors import PATCH_FAILED
 
