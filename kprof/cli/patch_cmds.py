@@ -343,7 +343,7 @@ def apply_cmd(
     warmup: Annotated[Optional[int], typer.Option("--warmup", help="With --compare: untimed steps per variant "
                                                   "(default: the planned run's; at least 3 with compile).")] = None,
     steps: Annotated[Optional[int], typer.Option("--steps", help="The most timed steps apply's ablation may take "
-                                                 "(default: 11 blocks of every configuration); with --compare: "
+                                                 "(default: 21 blocks of every configuration); with --compare: "
                                                  "timed (and recorded) steps per variant (default: the planned "
                                                  "run's).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result (before/after, or with --compare the "
