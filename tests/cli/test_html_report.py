@@ -263,7 +263,7 @@ def _chromium() -> str | None:
 
 
 NO_CHROMIUM = pytest.mark.skipif(_chromium() is None, reason="no chromium binary on PATH (Debian's `chromium` "
-                                 "package); the README's set-up does not install one")
+                                 "package); the README's set-up installs it where apt-get works")
 
 
 def _flags(tmp_path: Path) -> list[str]:
