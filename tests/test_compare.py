@@ -101,6 +101,9 @@ def _run_main(argv):
         raise SystemExit(e.exit_code) from e
 
 
+# Four subprocess variants, two of them compiled by Inductor (~30 s on 2 cores): slow. The fast set's
+# comparison runs through the CLI in test_a_script_that_fails_and_a_script_with_nothing_to_patch.
+@pytest.mark.slow
 def test_four_variants_on_a_tiny_script(tmp_path, monkeypatch):
     monkeypatch.setattr(cli_patch, "console", Console(width=250, record=True))
     root = tmp_path / "runs"
@@ -168,6 +171,7 @@ def test_four_variants_on_a_tiny_script(tmp_path, monkeypatch):
     assert all(f"run  {v}" in shown for v in VARIANTS)
 
 
+@pytest.mark.slow
 def test_a_failing_variant_is_reported_and_the_others_still_run(tmp_path):
     """kprof fails under --strict (its patch fails verification), compile fails (a custom op torch.compile
     can't trace); eager completes, and compile still runs after kprof failed."""
@@ -303,3 +307,12 @@ def test_compare_llama_tiny_on_gpu(tmp_path):
     for v in ("compile", "kprof+compile"):
         assert rows[v].compile["graph_breaks"] == 0, rows[v].compile["break_reasons"]
     assert res.choice in VARIANTS and len(store.list_runs(root)) == 4
+
+
+def test_variant_timeout_scales_with_the_longest_run_seen():
+    from kprof.patching.compare import VARIANT_TIMEOUT_MIN_S, VariantResult, variant_timeout
+
+    assert variant_timeout([], {}) == VARIANT_TIMEOUT_MIN_S
+    assert variant_timeout([], {"wall_time_s": 400.0}) == 2000.0
+    done = [VariantResult("eager", "ok", wall_s=100.0), VariantResult("compile", "ok", wall_s=500.0)]
+    assert variant_timeout(done, {"wall_time_s": 60.0}) == 2500.0
