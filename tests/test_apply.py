@@ -95,6 +95,7 @@ def test_apply_end_to_end_on_repo_gpt(tmp_path, wide):
         assert not keep.exists() and "nothing was written" in res.output
 
 
+@pytest.mark.slow  # the fast set applies through the CLI in test_apply_end_to_end_on_repo_gpt
 def test_apply_json_on_hf_llama_keeps_no_slower_patch(tmp_path, wide):
     """The HF Llama script (tests/profile/scripts/) through `kprof apply --json`. In the Triton
     interpreter every kernel is slower than eager: nothing slower may be kept."""

@@ -204,6 +204,7 @@ def test_calibrate_quick_caches(capsys, monkeypatch, tmp_path):
     assert "memory bandwidth" in out and "fp32 peak" in out and "measured by kprof calibrate" in out
 
 
+@pytest.mark.slow  # a process that imports torch; the fast set starts `python -m kprof` in tests/faults/test_signals.py
 def test_python_dash_m(tmp_path):
     r = subprocess.run([sys.executable, "-m", "kprof", "--version"], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.strip() == f"kprof {kprof.__version__}"
@@ -213,6 +214,8 @@ def test_python_dash_m(tmp_path):
 # End to end: the real runner and analysis on real scripts (CPU here, GPU on the H200).
 
 
+# Both users of gpt_run are slow (a `kprof profile` process on the GPT example, ~7 s on 2 cores): the
+# fast set profiles the same example in-process in tests/test_apply.py and tests/test_suggest.py.
 @pytest.fixture(scope="module")
 def gpt_run(tmp_path_factory):
     """`kprof profile examples/gpt_train.py` once, shared by the assertions below."""
@@ -228,6 +231,7 @@ def _env():
     return os.environ | {"COLUMNS": "250"}
 
 
+@pytest.mark.slow
 def test_profile_gpt_example_end_to_end(gpt_run):
     r, root = gpt_run
     assert r.returncode == 0, r.stderr
@@ -266,6 +270,7 @@ def test_profile_gpt_example_end_to_end(gpt_run):
     assert "step    0  loss" in out  # the script's own output still shows
 
 
+@pytest.mark.slow
 def test_runs_and_report_after_real_profile(gpt_run, capsys):
     _, root = gpt_run
     code, out, _ = kprof_cli(capsys, "runs", "--out", root)

@@ -118,9 +118,11 @@ def _instance_forwards(model: nn.Module) -> list[str]:
     return [p for p, m in model.named_modules() if "forward" in m.__dict__]
 
 
-# qwen2 and mistral match the same rules as llama (rms_norm, gated_mlp, rope): slow; llama stays.
+# qwen2 and mistral match the same rules as llama (rms_norm, gated_mlp, rope): slow; llama stays. So
+# is gemma, whose GELU gated MLP and offset-1 RMSNorm the fast set patches and verifies in
+# test_bf16_verification_uses_fp32_truth_and_restores_parameters.
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n in ("qwen2", "mistral") else n for n in EXPECTED]
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in ("qwen2", "mistral", "gemma") else n for n in EXPECTED]
 )
 def test_patch_matches_verifies_and_trains_like_eager(name):
     ref = _build(name)
@@ -414,6 +416,8 @@ def test_gated_mlp_at_llama_1b_shape_verifies_against_fp32_truth():
     report.unpatch()
 
 
+@pytest.mark.slow  # Dynamo over the whole patched Llama (~15 s on 2 cores); the fast set compiles a patched
+# model in test_first_call_inside_torch_compile_verifies_eagerly
 def test_patched_model_under_torch_compile_cpu():
     """The lazy linear+CE head under Dynamo: it recursed without end (H200 and CPU alike) until
     LazyLogits.__torch_function__ was kept out of the trace. Dynamo only (backend "eager"):

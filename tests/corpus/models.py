@@ -379,18 +379,20 @@ def _nano_loss(model, x):
 
 STYLES: dict[str, Style] = {
     "nanogpt": Style(NanoGPT, _nano_loss, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True)),
-    "mingpt_einsum": Style(MinGPT, _ce_outside),
+    # slow: every rule class the styles marked slow hold is installed by a fast style too
+    # (nanogpt, scratch_llama, torchtitan_llama, hf_llama)
+    "mingpt_einsum": Style(MinGPT, _ce_outside, slow=True),
     "scratch_llama": Style(ScratchLlama, _ce_module_outside,
                            lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, foreach=False)),
     "torchtitan_llama": Style(TitanLlama, _ce_flatten, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)),
     "torch_encoder": Style(TorchEncoder, _ce_outside,
-                           lambda m: torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9, foreach=False)),
+                           lambda m: torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9, foreach=False), slow=True),
     "hf_llama": Style(lambda: _hf("hf_llama"), _hf_loss),
     "hf_mistral": Style(lambda: _hf("hf_mistral"), _hf_loss, slow=True),
     "hf_qwen2": Style(lambda: _hf("hf_qwen2"), _hf_loss, slow=True),
-    "hf_gemma": Style(lambda: _hf("hf_gemma"), _hf_loss),
-    "hf_phi3": Style(lambda: _hf("hf_phi3"), _hf_loss),
-    "hf_gpt2": Style(lambda: _hf("hf_gpt2"), _hf_loss),
+    "hf_gemma": Style(lambda: _hf("hf_gemma"), _hf_loss, slow=True),
+    "hf_phi3": Style(lambda: _hf("hf_phi3"), _hf_loss, slow=True),
+    "hf_gpt2": Style(lambda: _hf("hf_gpt2"), _hf_loss, slow=True),
     "hf_neox": Style(lambda: _hf("hf_neox"), _hf_loss, slow=True),
 }
 

@@ -99,6 +99,9 @@ def _check_merged(root: Path):
     return run
 
 
+# slow: two ranks and `kprof report`, each a process that imports torch (~15 s on 2 cores); the fast set
+# checks the merge and the rank analysis on planted ranks above
+@pytest.mark.slow
 def test_nproc_per_node_profiles_every_rank_and_merges(tmp_path):
     p = _kprof(["kprof", "profile", str(SCRIPT), "--warmup", "1", "--steps", "2", "--out", str(tmp_path / "runs"),
                 "--nproc-per-node", "2"], cwd=tmp_path)

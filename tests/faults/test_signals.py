@@ -12,8 +12,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import pytest
-
 from faultkit import REPO, Result, check, child, digest, kprof_process, runs_intact, script
 from kprof import store
 
@@ -55,7 +53,6 @@ def test_sigterm_in_recorded_steps(tmp_path):
     assert s["status"] == "interrupted" and s["steps_recorded"] == 1
 
 
-@pytest.mark.slow
 def test_sigint_in_recorded_steps(tmp_path):
     res, runs = _signalled(tmp_path, 4, signal.SIGINT)
     check(res, "sigint_in_recorded_steps")
@@ -63,7 +60,6 @@ def test_sigint_in_recorded_steps(tmp_path):
     assert store.load_summary(run)["status"] == "interrupted"
 
 
-@pytest.mark.slow
 def test_sigint_in_warmup(tmp_path):
     res, runs = _signalled(tmp_path, 0, signal.SIGINT)
     check(res, "sigint_in_warmup")

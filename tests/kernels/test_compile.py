@@ -142,7 +142,9 @@ def _kprof_ops(gm: torch.fx.GraphModule, body: str) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+# fp32 is slow: the captured graph is the same in both dtypes, and the kernels' fp32 path runs in
+# their own tests.
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float32, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", list(CASES))
 def test_fullgraph_captures_the_kprof_ops(name, dtype, device):
     grads, consts, call, fwd_ops, bwd_ops = _build(name, device, dtype)
@@ -263,6 +265,8 @@ TRITON_OP_KERNELS = {
 }
 
 
+# slow: a subprocess tracing every op (~5 s on 2 cores); on the GPU the Inductor test below checks it
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test below compiles them with Inductor")
 def test_ops_are_triton_ops_that_trace_into_their_kernels():
     from aot_helpers import run_aot_script
