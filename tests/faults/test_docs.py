@@ -21,7 +21,9 @@ checks that kprof prints no traceback of its own, that the user's files are byte
 afterwards, that the other runs still load, and that partial results are kept and marked. The
 table is generated from `tests/faults/faultkit.py` (`FAULTS`), and `tests/faults/test_docs.py`
 fails when the two differ. Exit codes: 0 ok; 1 the user's script failed; 2 bad input to
-kprof; 3 a patch failed verification under `--strict`; 130 interrupted (Ctrl-C or SIGTERM).
+kprof; 3 a patch failed verification under `--strict`, or the patched run's loss diverged;
+130 interrupted (Ctrl-C or SIGTERM). Divergence is |d loss| over 10x the spread of two
+unpatched runs; docs/results.md has its check on the H200 against a planted drifting kernel.
 
 | fault | kprof says | exit code |
 |---|---|---|
