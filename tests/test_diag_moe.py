@@ -88,7 +88,12 @@ def test_hf_moe_named_by_suggest(tmp_path, arch, n, shared):
         assert (b["num_experts"], b["top_k"], b["score"], b["dispatch"]) == (n, 2, "softmax", "grouped_mm")
         assert [s.rsplit(".", 1)[-1] for s in b["shared_experts"]] == shared
         assert b["router"] == b["path"] + ".gate" and b["source"].rsplit(":", 1)[0].endswith(f"modeling_{arch}.py")
-    assert run.summary["coverage_pct"] >= 95.0
+    # Every op with device time is costed by its own formula but aten::index, whose index list the
+    # profiler does not record (no shapes, so no formula), and the script's own RNG. Not a time
+    # share: on a loaded 2-core CPU aten::index's self time alone took coverage to 80.5%.
+    ops = run.ops
+    uncosted = ops[~ops["cost_known"].fillna(False).astype(bool) & (ops["device_time (us)"] > 0)]
+    assert set(uncosted["op"]) <= {"aten::index", "aten::randint", "aten::random_"}, set(uncosted["op"])
 
 
 def _expert_table(routing: bool):
