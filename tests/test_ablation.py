@@ -261,6 +261,21 @@ def test_planted_noisy_is_undecided(tmp_path):
     assert "none is kept" in doc["recommendation"] and "--compare" in doc["recommendation"]
 
 
+def test_script_shorter_than_the_plan_says_to_give_it_more_steps(tmp_path):
+    # 1 group -> 2 configurations, 21 blocks planned (42 steps); the script's loop ends first.
+    script = tmp_path / "planted.py"
+    script.write_text(_SCRIPT)
+    root = tmp_path / "runs"
+    profile_script(str(script), ["plain", "16"], warmup=1, steps=2, out_root=root)
+    res = CliRunner().invoke(_app(), ["apply", str(script), "--patch", "slow", "--rules", str(_rules(tmp_path)),
+                                      "--out", str(root), "--json", "--", "plain", "16"])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    doc = json.loads(res.stdout[res.stdout.index("{"):])
+    (note,) = [n for n in doc["notes"] if n.startswith("the script ended after")]
+    assert f"of the ablation's {(ab.DEFAULT_BLOCKS + ab.WARM_BLOCKS) * 2} timed steps" in note
+    assert "run it longer" in note
+
+
 _COMPILED = """
 import torch
 torch.manual_seed(0)
