@@ -44,7 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps to run")
+    # 200: `kprof apply`'s ablation times up to 21 blocks of every patch configuration (126 steps
+    # for the 1B's four groups) before it stops the script; kprof profile stops it after 15.
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps to run")
     p.add_argument("--batch-size", type=int, default=None, help="default: the preset's")
     p.add_argument("--seq-len", type=int, default=None, help="default: the preset's")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
