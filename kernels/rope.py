@@ -1,4 +1,5 @@
-"""Fused rotary position embedding (Hugging Face rotate-half convention) for q and k in one launch.
+"""Fused rotary position embedding (Hugging Face rotate-half convention) for q and k in one launch,
+over the whole head dim or, as GPT-NeoX and Phi do (partial rotary), over its first rot_dim.
 
 Eager code (transformers' `apply_rotary_pos_emb`):
 
@@ -12,6 +13,14 @@ position's cos/sin row once and rotates all q heads and all k heads with it:
 
     out[:h] = x[:h] * cos[:h] - x[h:] * sin[:h]
     out[h:] = x[h:] * cos[h:] + x[:h] * sin[h:]          (h = D / 2)
+
+Partial rotary (cos/sin [B, S, R] with R < D, R even; transformers' GPT-NeoX code slices
+q[..., :R], rotates it and cats q[..., R:] back, 4 more ops per tensor): the same program rotates
+the first R of each head with h = R / 2 and copies the other D - R through (PASS); the backward
+copies those grads the same way (the pass-through's Jacobian is the identity):
+
+    D = 32, R = 8:   | x[0:4] x[4:8] | x[8:32]  |
+                     |  rotated, h=4 | copied   |
 
 Why: with q and k both [8, 32, 2048, 128] bf16 (134 MB each), each direction must move 537 MB
 (read q, k, write both: 126 us at the H200's 4.27 TB/s), and cos and sin ([B, S, D], 4 MB each
@@ -80,17 +89,35 @@ def _rotate_heads(
 
 
 @triton.jit
+def _copy_heads(
+    x_ptr, o_ptr, x_head_stride, o_head_stride, n_heads, start, stop,
+    BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """o[h, start:stop] = x[h, start:stop] for every head of one (batch, position): the part of a
+    partial rotary embedding that is not rotated (forward and backward alike)."""
+    for d0 in range(start, stop, BLOCK_P):
+        d = d0 + tl.arange(0, BLOCK_P)[None, :]  # [1, BLOCK_P]
+        d_ok = d < stop
+        for h0 in range(0, n_heads, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)[:, None]
+            ok = (h < n_heads) & d_ok
+            x = tl.load(x_ptr + h * x_head_stride + d, mask=ok, other=0.0)
+            tl.store(o_ptr + h * o_head_stride + d, x.to(o_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _rope_kernel(
     q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,
-    seq_len, n_q_heads, n_k_heads, half,
+    seq_len, n_q_heads, n_k_heads, half, head_dim,
     q_sb, q_sh, q_ss, k_sb, k_sh, k_ss,
     qo_sb, qo_sh, qo_ss, ko_sb, ko_sh, ko_ss,
     c_sb, c_ss,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
-    ONE_TILE: tl.constexpr, BACKWARD: tl.constexpr,
+    ONE_TILE: tl.constexpr, BACKWARD: tl.constexpr, PASS: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """One program per (batch, position): all q heads and all k heads, strides [B, H, S, D]
-    with unit last-dim stride. cos/sin are [B, S, D] (stride 0 where broadcast).
+    with unit last-dim stride. cos/sin are [B, S, 2 * half] (stride 0 where broadcast); with PASS
+    (2 * half < head_dim) the last head_dim - 2 * half elements of each head are copied through.
 
     ONE_TILE (every head of q and of k and the whole half dim fit one [BLOCK_H, BLOCK_D] tile
     each, e.g. Llama's 32 x 64): the four input tiles q[:h], q[h:], k[:h], k[h:] are all loaded
@@ -141,6 +168,9 @@ def _rope_kernel(
         else:
             _rotate_heads(q_ptr, qo_ptr, q_sh, qo_sh, n_q_heads, half, d, d_ok, cos1, cos2, sin1, sin2, BLOCK_HQ)
             _rotate_heads(k_ptr, ko_ptr, k_sh, ko_sh, n_k_heads, half, d, d_ok, cos1, cos2, sin1, sin2, BLOCK_HK)
+    if PASS:
+        _copy_heads(q_ptr, qo_ptr, q_sh, qo_sh, n_q_heads, 2 * half, head_dim, BLOCK_HQ, BLOCK_P)
+        _copy_heads(k_ptr, ko_ptr, k_sh, ko_sh, n_k_heads, 2 * half, head_dim, BLOCK_HK, BLOCK_P)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,18 +198,25 @@ class RopeConfig:
     block_d: int
     one_tile: bool
     num_warps: int
+    # Width of the pass-through copy's blocks (partial rotary); its tiles are [BLOCK_H, block_p].
+    block_p: int = 16
 
     @staticmethod
     @functools.lru_cache(maxsize=None)
-    def for_shape(n_q_heads: int, n_k_heads: int, half: int) -> "RopeConfig":
+    def for_shape(n_q_heads: int, n_k_heads: int, half: int, n_pass: int = 0) -> "RopeConfig":
         # Cached on ints: built once per shape, not per call (the eager path is host-bound).
         block_d = min(next_power_of_2(max(half, 1)), MAX_BLOCK_D)
         bhq, bhk = next_power_of_2(max(n_q_heads, 1)), next_power_of_2(max(n_k_heads, 1))
         elems = 2 * (bhq + bhk) * block_d
         if half <= block_d and elems <= MAX_ONE_TILE_ELEMS:
-            return RopeConfig(bhq, bhk, block_d, True, num_warps(elems, per_thread=64, max_warps=8))
-        bh = max(1, LOOP_TILE_ELEMS // block_d)
-        return RopeConfig(min(bhq, bh), min(bhk, bh), block_d, False, 4)
+            bh_q, bh_k, one_tile, warps = bhq, bhk, True, num_warps(elems, per_thread=64, max_warps=8)
+        else:
+            bh = max(1, LOOP_TILE_ELEMS // block_d)
+            bh_q, bh_k, one_tile, warps = min(bhq, bh), min(bhk, bh), False, 4
+        # Copy tiles as wide as a half-tile pair (2 * block_d), or LOOP_TILE_ELEMS over the heads
+        # for narrow rotations: GPT-NeoX's R = 32 of D = 128 at 32 heads copies 96 a head in 64s.
+        block_p = min(next_power_of_2(max(n_pass, 1)), max(2 * block_d, LOOP_TILE_ELEMS // max(bh_q, bh_k)))
+        return RopeConfig(bh_q, bh_k, block_d, one_tile, warps, block_p)
 
 
 def _dense_unit_last(shape, stride) -> bool:
@@ -242,16 +279,17 @@ def _rope_launch(
     if (c_sb, c_ss) != _cos_strides(sin):  # one set of strides for both tables
         cos, sin = cos.contiguous(), sin.contiguous()
         c_sb, c_ss = _cos_strides(cos)
-    half = head_dim // 2
-    cfg = config or RopeConfig.for_shape(n_q_heads, n_k_heads, half)
+    half = cos.shape[-1] // 2  # rot_dim / 2: head_dim / 2 unless partial
+    n_pass = head_dim - 2 * half
+    cfg = config or RopeConfig.for_shape(n_q_heads, n_k_heads, half, n_pass)
     launch(_rope_kernel, (batch * seq,),
         q, k, qo, ko, cos, sin,
-        seq, n_q_heads, n_k_heads, half,
+        seq, n_q_heads, n_k_heads, half, head_dim,
         *_bhs_strides(q, unsqueeze_dim), *_bhs_strides(k, unsqueeze_dim),
         *_bhs_strides(qo, unsqueeze_dim), *_bhs_strides(ko, unsqueeze_dim),
         c_sb, c_ss,
         BLOCK_HQ=cfg.block_hq, BLOCK_HK=cfg.block_hk, BLOCK_D=cfg.block_d, ONE_TILE=cfg.one_tile,
-        BACKWARD=backward, num_warps=cfg.num_warps,
+        BACKWARD=backward, PASS=n_pass > 0, BLOCK_P=cfg.block_p, num_warps=cfg.num_warps,
         **FP_FUSION,
     )
 
@@ -375,9 +413,10 @@ def _normalize(q, k, cos, sin, position_ids, unsqueeze_dim, dtypes=DTYPES) -> in
     if cos.shape != sin.shape:
         raise KprofError(f"apply_rope: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ in shape")
     c = cos if cos.dim() == 3 else cos.unsqueeze(0) if cos.dim() == 2 else None
-    if c is None or c.shape[0] not in (1, b) or c.shape[1] not in (1, seq) or c.shape[2] != d:
-        raise KprofError(f"apply_rope: cos/sin must be [B, S, D], [1, S, D] or [S, D] with B={b}, S={seq}, D={d}; "
-                         f"got {tuple(cos.shape)}")
+    if (c is None or c.shape[0] not in (1, b) or c.shape[1] not in (1, seq)
+            or not 0 < c.shape[2] <= d or c.shape[2] % 2):
+        raise KprofError(f"apply_rope: cos/sin must be [B, S, R], [1, S, R] or [S, R] with B={b}, S={seq} and R "
+                         f"even, 0 < R <= D={d} (R < D: partial rotary); got {tuple(cos.shape)}")
     return unsqueeze_dim
 
 
@@ -389,11 +428,13 @@ def apply_rope(
 
     Matches transformers' `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`:
     `q * cos + rotate_half(q) * sin` (same for k), with cos/sin unsqueezed at `unsqueeze_dim`.
+    With cos/sin narrower than the head dim (R < D, partial rotary), GPT-NeoX's and Phi's form:
+    the first R of each head rotated (halves of R), the other D - R passed through.
 
     Shapes: q [B, Hq, S, D] and k [B, Hk, S, D] (Hq != Hk for GQA) with unsqueeze_dim=1, or
     [B, S, Hq, D] / [B, S, Hk, D] with unsqueeze_dim=2; cos/sin [B, S, D], [1, S, D] or [S, D]
-    (a 2-D cos is taken as [S, D]). D even. Any q/k strides with a unit last-dim stride are read
-    in place (e.g. `proj(x).view(B, S, H, D).transpose(1, 2)`).
+    (a 2-D cos is taken as [S, D]), or R < D wide for partial rotary; D and R even. Any q/k
+    strides with a unit last-dim stride are read in place (e.g. `proj(x).view(B, S, H, D).transpose(1, 2)`).
 
     Dtypes: q, k in float32/float16/bfloat16; the outputs have torch's promoted dtype of q and
     cos, as eager's `q * cos` does (HF casts cos to q's dtype, so normally q's dtype). Math in
@@ -440,15 +481,18 @@ def apply_rope_reference(
     position_ids: Optional[torch.Tensor] = None, unsqueeze_dim: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure PyTorch, same semantics as `apply_rope`: HF's formula with math in fp32 (fp64
-    stays fp64) and one cast to the promoted dtype of q and cos."""
+    stays fp64) and one cast to the promoted dtype of q and cos; with cos/sin narrower than the
+    head dim, transformers' GPT-NeoX form (rotate q[..., :R], cat q[..., R:] back)."""
     unsqueeze_dim = _normalize(q, k, cos, sin, position_ids, unsqueeze_dim, DTYPES + (torch.float64,))
     out_dtype = torch.promote_types(q.dtype, cos.dtype)
     work = torch.promote_types(out_dtype, torch.float32)
     c = (cos if cos.dim() == 3 else cos.unsqueeze(0)).to(work).unsqueeze(unsqueeze_dim)
     s = (sin if sin.dim() == 3 else sin.unsqueeze(0)).to(work).unsqueeze(unsqueeze_dim)
+    r = c.shape[-1]
     qf, kf = q.to(work), k.to(work)
-    q_embed = qf * c + _rotate_half(qf) * s
-    k_embed = kf * c + _rotate_half(kf) * s
+    q_rot, q_pass, k_rot, k_pass = qf[..., :r], qf[..., r:], kf[..., :r], kf[..., r:]
+    q_embed = torch.cat([q_rot * c + _rotate_half(q_rot) * s, q_pass], dim=-1)
+    k_embed = torch.cat([k_rot * c + _rotate_half(k_rot) * s, k_pass], dim=-1)
     return q_embed.to(out_dtype), k_embed.to(out_dtype)
 
 
@@ -456,19 +500,22 @@ def apply_rope_reference(
 # 8. Registry
 # ---------------------------------------------------------------------------------------------
 
-# FLOPs per output element: two multiplies and one add (fwd and bwd alike).
+# FLOPs per rotated output element: two multiplies and one add (fwd and bwd alike); the
+# pass-through part of a partial rotary (rot_dim < head_dim) is a copy: bytes, no FLOPs.
 _FLOPS_PER_ELEM = 3
 
 
 def _cost(
     batch: int, seq: int, n_q_heads: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.bfloat16,
-    cos_batch: int = 1, cos_dtype: torch.dtype | None = None, **_,
+    cos_batch: int = 1, cos_dtype: torch.dtype | None = None, rot_dim: int | None = None, **_,
 ) -> dict[str, Cost]:
     e = torch.empty((), dtype=dtype).element_size()
     ce = torch.empty((), dtype=cos_dtype or dtype).element_size()
+    rot_dim = rot_dim or head_dim
     n = batch * seq * (n_q_heads + n_kv_heads) * head_dim  # q and k elements
-    cs = 2 * cos_batch * seq * head_dim * ce  # cos and sin, read once
-    c = Cost(flops=_FLOPS_PER_ELEM * n, bytes=2 * n * e + cs)  # read q, k; write both; read cos, sin
+    cs = 2 * cos_batch * seq * rot_dim * ce  # cos and sin, read once
+    rotated = n // head_dim * rot_dim
+    c = Cost(flops=_FLOPS_PER_ELEM * rotated, bytes=2 * n * e + cs)  # read q, k; write both; read cos, sin
     return {"fwd": c, "bwd": c}
 
 
@@ -478,7 +525,8 @@ def _op_cost(metas: list[TensorMeta]) -> Cost:
     e = torch.empty((), dtype=q.dtype).element_size()
     ce = torch.empty((), dtype=cos.dtype).element_size()
     n = math.prod(q.shape) + math.prod(k.shape)
-    return Cost(flops=_FLOPS_PER_ELEM * n, bytes=2 * n * e + (math.prod(cos.shape) + math.prod(sin.shape)) * ce)
+    rotated = n // q.shape[-1] * cos.shape[-1] if q.shape[-1] else 0
+    return Cost(flops=_FLOPS_PER_ELEM * rotated, bytes=2 * n * e + (math.prod(cos.shape) + math.prod(sin.shape)) * ce)
 
 
 SPEC = register(
@@ -486,8 +534,8 @@ SPEC = register(
         name="rope",
         replaces="transformers' apply_rotary_pos_emb: q * cos + rotate_half(q) * sin, same for k",
         dtypes=DTYPES,
-        limits="q/k 4-D, head_dim even, any head_dim (half-dims > 128 loop in blocks); cos/sin [B|1, S, D] or [S, D]; "
-        "no grad for cos/sin",
+        limits="q/k 4-D, head_dim even, any head_dim (half-dims > 128 loop in blocks); cos/sin [B|1, S, R] or [S, R] "
+        "with R = D or, partial rotary, even R < D; no grad for cos/sin",
         deterministic=True,  # pure elementwise, no reductions
         fn=apply_rope,
         module=None,

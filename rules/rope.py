@@ -8,6 +8,10 @@ the model's attention class (the namespace the attention's forward looks it up i
 behaviour, whatever it is called: a plain function of a module that defines one of the model's
 classes, taking (q, k, cos, sin, ...), equal to `apply_rope_reference` on a probe. Unpatching restores the original function.
 This affects every model of that class in the process while patched (the namespace is shared).
+
+A function that also takes cos/sin narrower than the head dim (GPT-NeoX, Phi-3: partial rotary)
+is probed with those too; where it equals the reference's partial form (rotate the first R,
+pass the rest through) those calls are fused as well, otherwise they keep the original.
 """
 
 from __future__ import annotations
@@ -41,25 +45,31 @@ def find(model: nn.Module) -> list[tuple[str, object, str, dict]]:
         for attr, fn in list(vars(ns).items()):
             if not _candidate(fn, ns):
                 continue
-            if behaves_like(lambda fn=fn: torch.cat([t.flatten() for t in fn(q, k, cos, sin)]),
-                            lambda: torch.cat([t.flatten() for t in ref(q, k, cos, sin)]), dtype):
+            if _same(fn, ref, q, k, cos, sin, dtype):
                 users = sorted({type(c).__name__ for c in model.modules() if type(c).__module__ == ns.__name__})
-                # A function that also takes a cos narrower than the head dim rotates part of it
-                # (GPT-NeoX, Phi-3): the kernel rotates all of it, so such calls keep the original.
                 out.append((f"{ns.__name__}.{attr}", ns, attr,
-                            {"classes": users, "partial": _partial(fn, q, k, cos, sin),
+                            {"classes": users, "partial": _partial(fn, ref, q, k, cos, sin, dtype),
                              "calls": {"fused": 0, "original": 0}}))
     return out
 
 
-def _partial(fn, q, k, cos, sin) -> bool:
-    """fn accepts cos/sin narrower than the head dim: a partial rotary embedding."""
+def _same(fn, ref, q, k, cos, sin, dtype) -> bool:
+    return behaves_like(lambda: torch.cat([t.flatten() for t in fn(q, k, cos, sin)]),
+                        lambda: torch.cat([t.flatten() for t in ref(q, k, cos, sin)]), dtype)
+
+
+def _partial(fn, ref, q, k, cos, sin, dtype) -> str | None:
+    """How fn treats cos/sin narrower than the head dim: None if it can't take them (a full
+    rotation can't broadcast them), "fused" if it rotates the first cos.shape[-1] of each head
+    and passes the rest through as the kernel does (GPT-NeoX, Phi-3's partial rotary),
+    "original" for anything else (those calls keep the original function)."""
+    narrow = cos[..., :4], sin[..., :4]  # R = 4 of D = 8
     try:
         with torch.no_grad():
-            fn(q, k, cos[..., :4], sin[..., :4])
+            fn(q, k, *narrow)
     except Exception:  # noqa: BLE001  a full-rotation function can't broadcast a narrower cos
-        return False
-    return True
+        return None
+    return "fused" if _same(fn, ref, q, k, *narrow, dtype) else "original"
 
 
 def _candidate(fn, ns) -> bool:
@@ -78,10 +88,12 @@ def _candidate(fn, ns) -> bool:
 def replace_fn(original, params: dict):
     fused = kernel_fn(KERNEL)
 
-    partial, calls = params.get("partial", False), params.setdefault("calls", {"fused": 0, "original": 0})
+    # Only a function whose narrower-cos calls differ from the kernel's partial rotary keeps them.
+    keep_partial = params.get("partial") == "original"
+    calls = params.setdefault("calls", {"fused": 0, "original": 0})
 
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        if partial and cos.shape[-1] != q.shape[-1]:
+        if keep_partial and cos.shape[-1] != q.shape[-1]:
             calls["original"] += 1
             return original(q, k, cos, sin, *args, **kwargs)
         calls["fused"] += 1

@@ -414,8 +414,7 @@ EXPECTED: dict[str, set[str]] = {
     # Phi3MLP: one gate_up Linear, chunk(2), act(gate) * up -> the traced GLU (inline_fx)
     "hf_phi3": {"rms_norm", "inline_fx", "rope", "linear_cross_entropy"},
     "hf_gpt2": {"layer_norm", "linear_gelu", "linear_cross_entropy"},
-    # GPT-NeoX rotates a quarter of each head (rotary_pct 0.25): rope installs, but its calls
-    # keep the original function (the kernel rotates the whole head dim), see GAPS
+    # GPT-NeoX rotates a quarter of each head (rotary_pct 0.25): the kernel's partial rotary
     "hf_neox": {"layer_norm", "linear_gelu", "rope", "linear_cross_entropy"},
 }
 
@@ -425,6 +424,4 @@ GAPS: dict[str, set[str]] = {
 }
 
 # In the source and installed, but every call takes the original code (nothing fused yet).
-UNFUSED: dict[str, set[str]] = {
-    "hf_neox": {"rope"},  # partial rotary: the kernel rotates the whole head dim
-}
+UNFUSED: dict[str, set[str]] = {}

@@ -4,7 +4,8 @@ Shapes cross the kernel's regimes: a single head/position, GQA (Hq != Hk), head 
 are not powers of two, a half-dim that is not a power of two (D=6), half-dims wider than one
 block (D=1024 loops over 4 blocks of 128; D=65536 over 256: on the CPU only once, in
 test_huge_head_dim, as the interpreter needs seconds per call), and the Llama/benchmark shapes
-(GPU only; the interpreter would take minutes).
+(GPU only; the interpreter would take minutes). Partial rotary (cos/sin R < D wide, GPT-NeoX) has
+its own shapes: R not a power of two, D = 96, pass-throughs over several copy blocks.
 """
 
 import pytest
@@ -40,11 +41,13 @@ def _upcast(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float64 if t.dtype == torch.float32 else torch.float32)
 
 
-def _make(shape, dtype, device, unsqueeze_dim=1, cos_batch=None, hf_tables=False, seed=0):
-    """q, k in the layout of `unsqueeze_dim`, and cos/sin [cos_batch or B, S, D]."""
-    b, hq, hk, s, d = shape
+def _make(shape, dtype, device, unsqueeze_dim=1, cos_batch=None, hf_tables=False, seed=0, rot_dim=None):
+    """q, k in the layout of `unsqueeze_dim`, and cos/sin [cos_batch or B, S, rot_dim or D]."""
+    b, hq, hk, s, head_dim = shape
+    d = rot_dim or head_dim
     g = torch.Generator().manual_seed(seed)
-    qs, ks = ((b, hq, s, d), (b, hk, s, d)) if unsqueeze_dim == 1 else ((b, s, hq, d), (b, s, hk, d))
+    qs, ks = (((b, hq, s, head_dim), (b, hk, s, head_dim)) if unsqueeze_dim == 1
+              else ((b, s, hq, head_dim), (b, s, hk, head_dim)))
     q = torch.randn(qs, generator=g).to(device, dtype)
     k = torch.randn(ks, generator=g).to(device, dtype)
     cb = b if cos_batch is None else cos_batch
@@ -87,6 +90,58 @@ def _check(q, k, cos, sin, unsqueeze_dim=1, **kw):
 @pytest.mark.parametrize("unsqueeze_dim", [1, 2])
 def test_matches_reference(shape, dtype, unsqueeze_dim, device):
     _check(*_make(shape, dtype, device, unsqueeze_dim), unsqueeze_dim=unsqueeze_dim)
+
+
+# (B, Hq, Hk, S, D, R): partial rotary, cos/sin R < D wide
+PARTIAL_SHAPES = [
+    (1, 1, 1, 1, 4, 2),  # one rotated pair, seq 1
+    (2, 3, 1, 5, 32, 8),  # GPT-NeoX's rotary_pct 0.25; odd head count, GQA
+    (3, 5, 3, 4, 96, 24),  # D = 96, R not a power of two
+    (1, 33, 5, 2, 512, 2),  # 510 passed through in 16 blocks of 32 (RopeConfig.block_p)
+    (1, 2, 1, 3, 1024, 1000),  # half 500: the rotation loops over 4 blocks of 128
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPE_CASES)
+@pytest.mark.parametrize("shape", PARTIAL_SHAPES)
+def test_partial_matches_reference(shape, dtype, device):
+    *qk_shape, rot_dim = shape
+    _check(*_make(tuple(qk_shape), dtype, device, rot_dim=rot_dim))
+
+
+@pytest.mark.parametrize("cos_form", ["B", "1", "2d"])
+def test_partial_layouts(cos_form, device):
+    """[B, S, H, D] q/k (unsqueeze_dim 2) and the transposed projection view, with broadcast cos."""
+    b, hq, hk, s, d, r = 2, 3, 1, 4, 16, 6
+    q, k, cos, sin = _make((b, hq, hk, s, d), torch.float32, device, 2, cos_batch=1 if cos_form != "B" else None,
+                           rot_dim=r)
+    if cos_form == "2d":
+        cos, sin = cos[0], sin[0]
+    _check(q, k, cos, sin, unsqueeze_dim=2)
+    _check(q.transpose(1, 2), k.transpose(1, 2), cos, sin, unsqueeze_dim=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPE_CASES)
+def test_partial_matches_transformers_neox(dtype, device):
+    """transformers' GPT-NeoX apply_rotary_pos_emb (rotates cos.shape[-1] of each head) on its own
+    tables, run in fp64; the pass-through part is bit-exact."""
+    neox = pytest.importorskip("transformers.models.gpt_neox.modeling_gpt_neox")
+    q, k, cos, sin = _make((2, 4, 2, 7, 32), dtype, device, cos_batch=1, hf_tables=True, rot_dim=8)
+    qo, ko = apply_rope(q, k, cos, sin)
+    qh, kh = neox.apply_rotary_pos_emb(q.double(), k.double(), cos.double(), sin.double())
+    assert_close(qo, qh, dtype)
+    assert_close(ko, kh, dtype)
+    assert torch.equal(qo[..., 8:], q[..., 8:]) and torch.equal(ko[..., 8:], k[..., 8:])
+
+
+def test_partial_pass_through_grad_is_identity(device):
+    q, k, cos, sin = _make((2, 3, 1, 5, 24), torch.float32, device, rot_dim=10)
+    q.requires_grad_()
+    k.requires_grad_()
+    qo, ko = apply_rope(q, k, cos, sin)
+    dq, dk = torch.randn_like(qo), torch.randn_like(ko)
+    torch.autograd.backward((qo, ko), (dq, dk))
+    assert torch.equal(q.grad[..., 10:], dq[..., 10:]) and torch.equal(k.grad[..., 10:], dk[..., 10:])
 
 
 @pytest.mark.slow
@@ -173,12 +228,14 @@ def test_position_ids_compat(device):
     hk=st.integers(1, 6),
     s=st.integers(1, 7),
     half=st.integers(1, 40),
+    n_pass=st.sampled_from([0, 0, 2, 6, 30]),  # partial rotary: D - R passed through
     unsqueeze_dim=st.sampled_from([1, 2]),
     dtype=st.sampled_from(DTYPES),
     seed=st.integers(0, 2**16),
 )
-def test_property_random_shapes(b, hq, hk, s, half, unsqueeze_dim, dtype, seed):
-    q, k, cos, sin = _make((b, hq, hk, s, 2 * half), dtype, DEVICE, unsqueeze_dim, seed=seed)
+def test_property_random_shapes(b, hq, hk, s, half, n_pass, unsqueeze_dim, dtype, seed):
+    q, k, cos, sin = _make((b, hq, hk, s, 2 * half + n_pass), dtype, DEVICE, unsqueeze_dim, seed=seed,
+                           rot_dim=2 * half)
     _check(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
 
@@ -257,7 +314,8 @@ def _bad(device, **over):
         (dict(sin=lambda a: a["sin"].double()), "cos and sin must share"),
         (dict(k=lambda a: a["k"][:, :, :4]), "differ in batch, seq or head_dim"),
         (dict(q=lambda a: a["q"][..., :7], k=lambda a: a["k"][..., :7]), "head_dim must be even"),
-        (dict(cos=lambda a: a["cos"][:, :, :4], sin=lambda a: a["sin"][:, :, :4]), "cos/sin must be"),
+        (dict(cos=lambda a: a["cos"][:, :, :3], sin=lambda a: a["sin"][:, :, :3]), "cos/sin must be"),  # R odd
+        (dict(cos=lambda a: a["cos"].repeat(1, 1, 2), sin=lambda a: a["sin"].repeat(1, 1, 2)), "cos/sin must be"),
         (dict(cos=lambda a: a["cos"][:, :3], sin=lambda a: a["sin"][:, :3]), "cos/sin must be"),
         (dict(sin=lambda a: a["sin"][:1]), "differ in shape"),
         (dict(cos=lambda a: a["cos"][None], sin=lambda a: a["sin"][None]), "cos/sin must be"),
@@ -295,6 +353,17 @@ def test_cost_model():
     assert registry.op_cost("kprof::rope_fwd", metas) == (3 * n, 2 * n * 2 + 2 * 2 * 16 * 64 * 4)
     assert registry.op_cost("kprof::rope_bwd", metas) == registry.op_cost("kprof::rope_fwd", metas)
     assert registry.get("rope") is SPEC
+
+
+def test_cost_model_partial():
+    """Partial rotary: FLOPs for the rotated R only, bytes for all of q and k plus R-wide cos/sin."""
+    full = SPEC.cost(batch=2, seq=16, n_q_heads=8, n_kv_heads=2, head_dim=128, dtype=torch.bfloat16)["fwd"]
+    part = SPEC.cost(batch=2, seq=16, n_q_heads=8, n_kv_heads=2, head_dim=128, dtype=torch.bfloat16, rot_dim=32)["fwd"]
+    assert part.flops * 4 == full.flops and part.bytes == full.bytes - 2 * 16 * 96 * 2
+    m = registry.TensorMeta
+    metas = [m((2, 8, 16, 128), torch.bfloat16), m((2, 2, 16, 128), torch.bfloat16),
+             m((1, 16, 32), torch.bfloat16), m((1, 16, 32), torch.bfloat16)]
+    assert registry.op_cost("kprof::rope_fwd", metas) == (part.flops, part.bytes)
 
 
 def test_expanded_grads(device):
@@ -366,8 +435,9 @@ class _LaunchLog:
         return lambda *args, **kwargs: self.calls.append(kwargs)
 
 
+@pytest.mark.parametrize("rot_dim", [8, 4])  # 4: partial rotary, the pass-through in the same launch
 @pytest.mark.parametrize("unsqueeze_dim", [1, 2])
-def test_eager_path_launches_directly(monkeypatch, unsqueeze_dim, device):
+def test_eager_path_launches_directly(monkeypatch, unsqueeze_dim, rot_dim, device):
     """Eager fwd+bwd on HF's layouts (including the transposed projection view): no custom op,
     one launch each way, and the only tensor ops are the four output allocations - no transpose,
     expand or contiguous views (each op is ~12 us of host time on the H200 machine)."""
@@ -382,11 +452,11 @@ def test_eager_path_launches_directly(monkeypatch, unsqueeze_dim, device):
     else:
         q = torch.randn(b, s, hq, d, device=device, requires_grad=True)
         k = torch.randn(b, s, hk, d, device=device, requires_grad=True)
-    cos, sin = torch.randn(1, s, d, device=device), torch.randn(1, s, d, device=device)
+    cos, sin = torch.randn(1, s, rot_dim, device=device), torch.randn(1, s, rot_dim, device=device)
     with _OpLog() as log:
         qo, ko = apply_rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
         torch.autograd.backward((qo, ko), (torch.ones_like(qo), torch.ones_like(ko)))
-    assert [c["BACKWARD"] for c in launches.calls] == [False, True]
+    assert [(c["BACKWARD"], c["PASS"]) for c in launches.calls] == [(False, rot_dim < d), (True, rot_dim < d)]
     ops = [op for op in log.ops if op not in ("aten.detach.default", "aten.ones_like.default")]
     assert ops == ["aten.empty_like.default"] * 2 + ["aten.empty_strided.default"] * 2, log.ops
 
@@ -491,11 +561,16 @@ def test_kernel_compiles_for_sm90_with_vector_accesses():
         assert c.one_tile
         for bwd in (False, True):
             variants.append((dict(BLOCK_HQ=c.block_hq, BLOCK_HK=c.block_hk, BLOCK_D=c.block_d, ONE_TILE=True,
-                                  BACKWARD=bwd), c.num_warps))
+                                  BACKWARD=bwd, PASS=False, BLOCK_P=c.block_p), c.num_warps))
     c = RopeConfig.for_shape(40, 8, 128)  # head_dim 256 with 40 heads: heads loop in blocks
     assert not c.one_tile
     variants.append((dict(BLOCK_HQ=c.block_hq, BLOCK_HK=c.block_hk, BLOCK_D=c.block_d, ONE_TILE=False,
-                          BACKWARD=False), c.num_warps))
+                          BACKWARD=False, PASS=False, BLOCK_P=c.block_p), c.num_warps))
+    c = RopeConfig.for_shape(32, 32, 16, 96)  # GPT-NeoX: R = 32 of head_dim 128, 96 copied through
+    assert c.one_tile
+    for bwd in (False, True):
+        variants.append((dict(BLOCK_HQ=c.block_hq, BLOCK_HK=c.block_hk, BLOCK_D=c.block_d, ONE_TILE=True,
+                              BACKWARD=bwd, PASS=True, BLOCK_P=c.block_p), c.num_warps))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT, repr(variants)], capture_output=True, text=True,
                           env=env, timeout=600)
