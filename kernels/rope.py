@@ -1,5 +1,6 @@
-"""Fused rotary position embedding (Hugging Face rotate-half convention) for q and k in one launch,
-over the whole head dim or, as GPT-NeoX and Phi do (partial rotary), over its first rot_dim.
+"""Fused rotary position embedding for q and k in one launch: Hugging Face's rotate-half
+convention or torchtitan's interleaved (complex) one, over the whole head dim or, as GPT-NeoX and
+Phi do (partial rotary), over its first rot_dim.
 
 Eager code (transformers' `apply_rotary_pos_emb`):
 
@@ -21,6 +22,16 @@ copies those grads the same way (the pass-through's Jacobian is the identity):
 
     D = 32, R = 8:   | x[0:4] x[4:8] | x[8:32]  |
                      |  rotated, h=4 | copied   |
+
+Interleaved (INTERLEAVED; torchtitan's and Meta's Llama `view_as_complex(x.reshape(..., -1, 2))
+* freqs_cis`): pair i is (2i, 2i + 1) instead of (i, i + h), with cos/sin given per element in
+that layout (each pair's value twice), so the same formula and its backward hold with cos/sin
+read at x's offsets:
+
+    rotate-half, D = 8:   (x0, x4) (x1, x5) (x2, x6) (x3, x7)
+    interleaved, D = 8:   (x0, x1) (x2, x3) (x4, x5) (x6, x7)
+
+The interleaved pairs are stride-2 accesses (not 16-byte vectors on the GPU; not yet measured).
 
 Why: with q and k both [8, 32, 2048, 128] bf16 (134 MB each), each direction must move 537 MB
 (read q, k, write both: 126 us at the H200's 4.27 TB/s), and cos and sin ([B, S, D], 4 MB each
@@ -71,21 +82,21 @@ def _rotate(x1, x2, cos1, cos2, sin1, sin2):
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, o_ptr, x_head_stride, o_head_stride, n_heads, half, d, d_ok,
+    x_ptr, o_ptr, x_head_stride, o_head_stride, n_heads, step, e, d_ok,
     cos1, cos2, sin1, sin2, BLOCK_H: tl.constexpr,
 ):
-    """Rotate every head of one (batch, position) for one block of the half dim `d` ([1, BLOCK_D]);
-    x_ptr and o_ptr point at head 0 of that position."""
+    """Rotate every head of one (batch, position) for one block of pairs (e, e + step), `e`
+    [1, BLOCK_D]; x_ptr and o_ptr point at head 0 of that position."""
     for h0 in range(0, n_heads, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
         ok = (h < n_heads) & d_ok
-        xp = x_ptr + h * x_head_stride + d
-        op = o_ptr + h * o_head_stride + d
+        xp = x_ptr + h * x_head_stride + e
+        op = o_ptr + h * o_head_stride + e
         x1 = tl.load(xp, mask=ok, other=0.0).to(tl.float32)
-        x2 = tl.load(xp + half, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(xp + step, mask=ok, other=0.0).to(tl.float32)
         o1, o2 = _rotate(x1, x2, cos1, cos2, sin1, sin2)
         tl.store(op, o1.to(o_ptr.dtype.element_ty), mask=ok)
-        tl.store(op + half, o2.to(o_ptr.dtype.element_ty), mask=ok)
+        tl.store(op + step, o2.to(o_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -114,10 +125,13 @@ def _rope_kernel(
     c_sb, c_ss,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
     ONE_TILE: tl.constexpr, BACKWARD: tl.constexpr, PASS: tl.constexpr, BLOCK_P: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
 ):
     """One program per (batch, position): all q heads and all k heads, strides [B, H, S, D]
     with unit last-dim stride. cos/sin are [B, S, 2 * half] (stride 0 where broadcast); with PASS
     (2 * half < head_dim) the last head_dim - 2 * half elements of each head are copied through.
+    Pair i is (i, i + half), or (2i, 2i + 1) with INTERLEAVED (cos/sin then hold each pair's value
+    twice, so they are read at x's offsets).
 
     ONE_TILE (every head of q and of k and the whole half dim fit one [BLOCK_H, BLOCK_D] tile
     each, e.g. Llama's 32 x 64): the four input tiles q[:h], q[h:], k[:h], k[h:] are all loaded
@@ -135,10 +149,16 @@ def _rope_kernel(
     for d0 in range(0, half, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)[None, :]  # [1, BLOCK_D]
         d_ok = d < half
-        cos1 = tl.load(cos_ptr + c_base + d, mask=d_ok, other=0.0).to(tl.float32)
-        cos2 = tl.load(cos_ptr + c_base + half + d, mask=d_ok, other=0.0).to(tl.float32)
-        sin1 = tl.load(sin_ptr + c_base + d, mask=d_ok, other=0.0).to(tl.float32)
-        sin2 = tl.load(sin_ptr + c_base + half + d, mask=d_ok, other=0.0).to(tl.float32)
+        if INTERLEAVED:  # pair (2i, 2i + 1): torchtitan's complex form
+            e = 2 * d
+            step = 1
+        else:  # pair (i, i + half)
+            e = d
+            step = half
+        cos1 = tl.load(cos_ptr + c_base + e, mask=d_ok, other=0.0).to(tl.float32)
+        cos2 = tl.load(cos_ptr + c_base + e + step, mask=d_ok, other=0.0).to(tl.float32)
+        sin1 = tl.load(sin_ptr + c_base + e, mask=d_ok, other=0.0).to(tl.float32)
+        sin2 = tl.load(sin_ptr + c_base + e + step, mask=d_ok, other=0.0).to(tl.float32)
         if BACKWARD:
             # The forward is linear in x with matrix [[C1, -S1], [S2, C2]] (per d); its transpose
             # [[C1, S2], [-S1, C2]] is the forward's form with (sin1, sin2) -> (-sin2, -sin1).
@@ -151,23 +171,23 @@ def _rope_kernel(
             hk = tl.arange(0, BLOCK_HK)[:, None]
             q_ok = (hq < n_q_heads) & d_ok
             k_ok = (hk < n_k_heads) & d_ok
-            qp = q_ptr + hq * q_sh + d
-            kp = k_ptr + hk * k_sh + d
+            qp = q_ptr + hq * q_sh + e
+            kp = k_ptr + hk * k_sh + e
             q1 = tl.load(qp, mask=q_ok, other=0.0).to(tl.float32)
-            q2 = tl.load(qp + half, mask=q_ok, other=0.0).to(tl.float32)
+            q2 = tl.load(qp + step, mask=q_ok, other=0.0).to(tl.float32)
             k1 = tl.load(kp, mask=k_ok, other=0.0).to(tl.float32)
-            k2 = tl.load(kp + half, mask=k_ok, other=0.0).to(tl.float32)
+            k2 = tl.load(kp + step, mask=k_ok, other=0.0).to(tl.float32)
             qo1, qo2 = _rotate(q1, q2, cos1, cos2, sin1, sin2)
             ko1, ko2 = _rotate(k1, k2, cos1, cos2, sin1, sin2)
-            qop = qo_ptr + hq * qo_sh + d
-            kop = ko_ptr + hk * ko_sh + d
+            qop = qo_ptr + hq * qo_sh + e
+            kop = ko_ptr + hk * ko_sh + e
             tl.store(qop, qo1.to(qo_ptr.dtype.element_ty), mask=q_ok)
-            tl.store(qop + half, qo2.to(qo_ptr.dtype.element_ty), mask=q_ok)
+            tl.store(qop + step, qo2.to(qo_ptr.dtype.element_ty), mask=q_ok)
             tl.store(kop, ko1.to(ko_ptr.dtype.element_ty), mask=k_ok)
-            tl.store(kop + half, ko2.to(ko_ptr.dtype.element_ty), mask=k_ok)
+            tl.store(kop + step, ko2.to(ko_ptr.dtype.element_ty), mask=k_ok)
         else:
-            _rotate_heads(q_ptr, qo_ptr, q_sh, qo_sh, n_q_heads, half, d, d_ok, cos1, cos2, sin1, sin2, BLOCK_HQ)
-            _rotate_heads(k_ptr, ko_ptr, k_sh, ko_sh, n_k_heads, half, d, d_ok, cos1, cos2, sin1, sin2, BLOCK_HK)
+            _rotate_heads(q_ptr, qo_ptr, q_sh, qo_sh, n_q_heads, step, e, d_ok, cos1, cos2, sin1, sin2, BLOCK_HQ)
+            _rotate_heads(k_ptr, ko_ptr, k_sh, ko_sh, n_k_heads, step, e, d_ok, cos1, cos2, sin1, sin2, BLOCK_HK)
     if PASS:
         _copy_heads(q_ptr, qo_ptr, q_sh, qo_sh, n_q_heads, 2 * half, head_dim, BLOCK_HQ, BLOCK_P)
         _copy_heads(k_ptr, ko_ptr, k_sh, ko_sh, n_k_heads, 2 * half, head_dim, BLOCK_HK, BLOCK_P)
@@ -260,6 +280,7 @@ def _cos_strides(c: torch.Tensor) -> tuple[int, int]:
 def _rope_launch(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int,
     qo: torch.Tensor, ko: torch.Tensor, backward: bool, config: Optional[RopeConfig] = None,
+    interleaved: bool = False,
 ) -> None:
     """Rotate q, k into the preallocated qo, ko (any dense layout with unit last-dim stride).
 
@@ -289,7 +310,7 @@ def _rope_launch(
         *_bhs_strides(qo, unsqueeze_dim), *_bhs_strides(ko, unsqueeze_dim),
         c_sb, c_ss,
         BLOCK_HQ=cfg.block_hq, BLOCK_HK=cfg.block_hk, BLOCK_D=cfg.block_d, ONE_TILE=cfg.one_tile,
-        BACKWARD=backward, PASS=n_pass > 0, BLOCK_P=cfg.block_p, num_warps=cfg.num_warps,
+        BACKWARD=backward, PASS=n_pass > 0, BLOCK_P=cfg.block_p, INTERLEAVED=interleaved, num_warps=cfg.num_warps,
         **FP_FUSION,
     )
 
@@ -298,10 +319,10 @@ def _out_dtype(q: torch.Tensor, cos: torch.Tensor) -> torch.dtype:
     return q.dtype if cos.dtype == q.dtype else torch.promote_types(q.dtype, cos.dtype)
 
 
-def _rope_fwd(q, k, cos, sin, unsqueeze_dim):
+def _rope_fwd(q, k, cos, sin, unsqueeze_dim, interleaved=False):
     out_dtype = _out_dtype(q, cos)
     qo, ko = _out_like(q, out_dtype), _out_like(k, out_dtype)
-    _rope_launch(q, k, cos, sin, unsqueeze_dim, qo, ko, backward=False)
+    _rope_launch(q, k, cos, sin, unsqueeze_dim, qo, ko, backward=False, interleaved=interleaved)
     return qo, ko
 
 
@@ -312,28 +333,30 @@ def _rope_fwd(q, k, cos, sin, unsqueeze_dim):
 
 @kernel_op("kprof::rope_fwd")
 def rope_fwd_op(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _rope_fwd(q, k, cos, sin, unsqueeze_dim)
+    return _rope_fwd(q, k, cos, sin, unsqueeze_dim, interleaved)
 
 
 @rope_fwd_op.register_fake
-def _(q, k, cos, sin, unsqueeze_dim):
+def _(q, k, cos, sin, unsqueeze_dim, interleaved=False):
     out_dtype = _out_dtype(q, cos)
     return _out_like(q, out_dtype), _out_like(k, out_dtype)
 
 
 @kernel_op("kprof::rope_bwd")
 def rope_bwd_op(
-    dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int
+    dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     dq_in, dk_in = _out_like(dq, dq.dtype), _out_like(dk, dk.dtype)
-    _rope_launch(dq, dk, cos, sin, unsqueeze_dim, dq_in, dk_in, backward=True)
+    _rope_launch(dq, dk, cos, sin, unsqueeze_dim, dq_in, dk_in, backward=True, interleaved=interleaved)
     return dq_in, dk_in
 
 
 @rope_bwd_op.register_fake
-def _(dq, dk, cos, sin, unsqueeze_dim):
+def _(dq, dk, cos, sin, unsqueeze_dim, interleaved=False):
     return _out_like(dq, dq.dtype), _out_like(dk, dk.dtype)
 
 
@@ -344,13 +367,13 @@ def _(dq, dk, cos, sin, unsqueeze_dim):
 
 class RopeFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, cos, sin, unsqueeze_dim):
+    def forward(ctx, q, k, cos, sin, unsqueeze_dim, interleaved):
         if via_custom_op():  # compile or profiler: one opaque kprof:: op (see via_custom_op)
-            q_embed, k_embed = rope_fwd_op(q, k, cos, sin, unsqueeze_dim)
+            q_embed, k_embed = rope_fwd_op(q, k, cos, sin, unsqueeze_dim, interleaved)
         else:
-            q_embed, k_embed = _rope_fwd(q, k, cos, sin, unsqueeze_dim)
+            q_embed, k_embed = _rope_fwd(q, k, cos, sin, unsqueeze_dim, interleaved)
         ctx.save_for_backward(cos, sin)
-        ctx.unsqueeze_dim = unsqueeze_dim
+        ctx.unsqueeze_dim, ctx.interleaved = unsqueeze_dim, interleaved
         ctx.in_dtype = q.dtype
         # The grads go out in the layout of q_embed/k_embed, i.e. q's and k's when those are
         # dense (a transposed [B, S, H, D] projection view stays one): the transpose/view
@@ -362,7 +385,7 @@ class RopeFunction(torch.autograd.Function):
     def backward(ctx, dq_embed, dk_embed):
         cos, sin = ctx.saved_tensors
         if via_custom_op():
-            dq, dk = rope_bwd_op(dq_embed, dk_embed, cos, sin, ctx.unsqueeze_dim)
+            dq, dk = rope_bwd_op(dq_embed, dk_embed, cos, sin, ctx.unsqueeze_dim, ctx.interleaved)
             if dq.dtype != ctx.in_dtype:  # only when cos/sin promoted the output (e.g. fp32 cos, bf16 q)
                 dq, dk = dq.to(ctx.in_dtype), dk.to(ctx.in_dtype)
         else:
@@ -370,9 +393,10 @@ class RopeFunction(torch.autograd.Function):
             dev = dq_embed.device
             dq = torch.empty_strided(q_shape, q_stride, dtype=ctx.in_dtype, device=dev)
             dk = torch.empty_strided(k_shape, k_stride, dtype=ctx.in_dtype, device=dev)
-            _rope_launch(dq_embed, dk_embed, cos, sin, ctx.unsqueeze_dim, dq, dk, backward=True)
+            _rope_launch(dq_embed, dk_embed, cos, sin, ctx.unsqueeze_dim, dq, dk, backward=True,
+                         interleaved=ctx.interleaved)
         # No grads for cos/sin: HF builds them from a buffer under no_grad.
-        return dq, dk, None, None, None
+        return dq, dk, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -422,7 +446,7 @@ def _normalize(q, k, cos, sin, position_ids, unsqueeze_dim, dtypes=DTYPES) -> in
 
 def apply_rope(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    position_ids: Optional[torch.Tensor] = None, unsqueeze_dim: int = 1,
+    position_ids: Optional[torch.Tensor] = None, unsqueeze_dim: int = 1, *, interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding of q and k, Hugging Face rotate-half convention, in one launch.
 
@@ -430,6 +454,10 @@ def apply_rope(
     `q * cos + rotate_half(q) * sin` (same for k), with cos/sin unsqueezed at `unsqueeze_dim`.
     With cos/sin narrower than the head dim (R < D, partial rotary), GPT-NeoX's and Phi's form:
     the first R of each head rotated (halves of R), the other D - R passed through.
+
+    interleaved=True: pairs (2i, 2i + 1) instead of (i, i + R/2), torchtitan's and Meta Llama's
+    complex form `view_as_complex(x.reshape(..., -1, 2)) * freqs_cis`; cos/sin then hold each
+    pair's value twice, `freqs_cis.real.repeat_interleave(2, -1)` and the same of `.imag`.
 
     Shapes: q [B, Hq, S, D] and k [B, Hk, S, D] (Hq != Hk for GQA) with unsqueeze_dim=1, or
     [B, S, Hq, D] / [B, S, Hk, D] with unsqueeze_dim=2; cos/sin [B, S, D], [1, S, D] or [S, D]
@@ -455,9 +483,9 @@ def apply_rope(
             "pass cos.detach(), sin.detach(), or use apply_rope_reference if they are learned"
         )
     if use_triton(q):
-        return RopeFunction.apply(q, k, cos, sin, unsqueeze_dim)
+        return RopeFunction.apply(q, k, cos, sin, unsqueeze_dim, interleaved)
     warn_fallback("rope", f"no Triton for tensors on {q.device} (set TRITON_INTERPRET=1 for the interpreter)")
-    return apply_rope_reference(q, k, cos, sin, None, unsqueeze_dim)
+    return apply_rope_reference(q, k, cos, sin, None, unsqueeze_dim, interleaved=interleaved)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -476,13 +504,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
+def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """The interleaved rotate_half: (x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
 def apply_rope_reference(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    position_ids: Optional[torch.Tensor] = None, unsqueeze_dim: int = 1,
+    position_ids: Optional[torch.Tensor] = None, unsqueeze_dim: int = 1, *, interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure PyTorch, same semantics as `apply_rope`: HF's formula with math in fp32 (fp64
     stays fp64) and one cast to the promoted dtype of q and cos; with cos/sin narrower than the
-    head dim, transformers' GPT-NeoX form (rotate q[..., :R], cat q[..., R:] back)."""
+    head dim, transformers' GPT-NeoX form (rotate q[..., :R], cat q[..., R:] back); interleaved,
+    rotate_half's pairs (i, i + R/2) become (2i, 2i + 1)."""
     unsqueeze_dim = _normalize(q, k, cos, sin, position_ids, unsqueeze_dim, DTYPES + (torch.float64,))
     out_dtype = torch.promote_types(q.dtype, cos.dtype)
     work = torch.promote_types(out_dtype, torch.float32)
@@ -491,8 +525,9 @@ def apply_rope_reference(
     r = c.shape[-1]
     qf, kf = q.to(work), k.to(work)
     q_rot, q_pass, k_rot, k_pass = qf[..., :r], qf[..., r:], kf[..., :r], kf[..., r:]
-    q_embed = torch.cat([q_rot * c + _rotate_half(q_rot) * s, q_pass], dim=-1)
-    k_embed = torch.cat([k_rot * c + _rotate_half(k_rot) * s, k_pass], dim=-1)
+    rot = _rotate_pairs if interleaved else _rotate_half
+    q_embed = torch.cat([q_rot * c + rot(q_rot) * s, q_pass], dim=-1)
+    k_embed = torch.cat([k_rot * c + rot(k_rot) * s, k_pass], dim=-1)
     return q_embed.to(out_dtype), k_embed.to(out_dtype)
 
 
@@ -532,7 +567,8 @@ def _op_cost(metas: list[TensorMeta]) -> Cost:
 SPEC = register(
     KernelSpec(
         name="rope",
-        replaces="transformers' apply_rotary_pos_emb: q * cos + rotate_half(q) * sin, same for k",
+        replaces="transformers' apply_rotary_pos_emb: q * cos + rotate_half(q) * sin, same for k; "
+        "torchtitan's apply_rotary_emb (complex multiplication by freqs_cis, interleaved=True)",
         dtypes=DTYPES,
         limits="q/k 4-D, head_dim even, any head_dim (half-dims > 128 loop in blocks); cos/sin [B|1, S, R] or [S, R] "
         "with R = D or, partial rotary, even R < D; no grad for cos/sin",

@@ -12,6 +12,12 @@ This affects every model of that class in the process while patched (the namespa
 A function that also takes cos/sin narrower than the head dim (GPT-NeoX, Phi-3: partial rotary)
 is probed with those too; where it equals the reference's partial form (rotate the first R,
 pass the rest through) those calls are fused as well, otherwise they keep the original.
+
+The interleaved, complex form (torchtitan, Meta's Llama: `apply_rotary_emb(xq, xk, freqs_cis)`,
+xq [B, S, H, D], pairs (2i, 2i + 1) multiplied by the complex freqs_cis [S, D/2]) is found the same
+way, by a function taking (xq, xk, freqs_cis) that equals the reference's interleaved form on a
+probe. Its patch builds cos/sin from freqs_cis once per call (real and imaginary parts, each
+repeated per pair) and casts the outputs to xq's dtype, as `type_as(xq)` does there.
 """
 
 from __future__ import annotations
@@ -42,15 +48,55 @@ def find(model: nn.Module) -> list[tuple[str, object, str, dict]]:
         if ns is None or id(ns) in seen or ns.__name__.startswith("torch."):
             continue
         seen.add(id(ns))
+        users = sorted({type(c).__name__ for c in model.modules() if type(c).__module__ == ns.__name__})
+        called = _names(model, ns)
         for attr, fn in list(vars(ns).items()):
-            if not _candidate(fn, ns):
-                continue
-            if _same(fn, ref, q, k, cos, sin, dtype):
-                users = sorted({type(c).__name__ for c in model.modules() if type(c).__module__ == ns.__name__})
+            if _candidate(fn, ns, 4) and _same(fn, ref, q, k, cos, sin, dtype):
                 out.append((f"{ns.__name__}.{attr}", ns, attr,
-                            {"classes": users, "partial": _partial(fn, ref, q, k, cos, sin, dtype),
+                            {"classes": users, "form": "rotate_half",
+                             "partial": _partial(fn, ref, q, k, cos, sin, dtype),
                              "calls": {"fused": 0, "original": 0}}))
+            elif attr in called and _candidate(fn, ns, 3) and _complex_form(fn, ref, q, k, ang, dtype):
+                out.append((f"{ns.__name__}.{attr}", ns, attr,
+                            {"classes": users, "form": "complex", "calls": {"fused": 0, "original": 0}}))
     return out
+
+
+def _names(model: nn.Module, ns) -> set[str]:
+    """Global names the methods of the model's classes defined in `ns` load. A three-argument
+    function is common enough (one module may hold several models) that the complex form is
+    patched only where one of this model's classes calls it."""
+    codes = [f.__code__ for m in model.modules() if type(m).__module__ == ns.__name__
+             for f in vars(type(m)).values() if inspect.isfunction(f)]
+    names = set()
+    while codes:
+        c = codes.pop()
+        names.update(c.co_names)
+        codes.extend(x for x in c.co_consts if inspect.iscode(x))
+    return names
+
+
+def _complex_form(fn, ref, q, k, ang, dtype) -> bool:
+    """fn(xq, xk, freqs_cis) with xq [B, S, H, D] and complex freqs_cis [S, D/2] rotates pairs
+    (2i, 2i + 1) by freqs_cis: the reference's interleaved form."""
+    xq, xk = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
+    freqs_cis = torch.polar(torch.ones_like(ang[0]), ang[0]).to(q.device)  # complex64 [S, D/2], as torchtitan's
+    cos, sin = _cos_sin(freqs_cis, xq)
+    return behaves_like(lambda: torch.cat([t.flatten() for t in fn(xq, xk, freqs_cis)]),
+                        lambda: torch.cat([t.flatten() for t in ref(xq, xk, cos, sin, unsqueeze_dim=2,
+                                                                    interleaved=True)]), dtype)
+
+
+def _cos_sin(freqs_cis: torch.Tensor, xq: torch.Tensor):
+    """(cos, sin) [.., S, D] for the interleaved kernel from a complex64 freqs_cis [S, D/2] or
+    [B|1, S, D/2] (each pair's value repeated), or None where freqs_cis is another one."""
+    if freqs_cis.dtype != torch.complex64 or xq.dim() != 4 or freqs_cis.dim() not in (2, 3):
+        return None  # complex128 would give fp64 cos/sin, which the kernel does not take
+    if freqs_cis.shape[-2:] != (xq.shape[1], xq.shape[-1] // 2):
+        return None
+    if freqs_cis.dim() == 3 and freqs_cis.shape[0] not in (1, xq.shape[0]):
+        return None
+    return freqs_cis.real.repeat_interleave(2, -1), freqs_cis.imag.repeat_interleave(2, -1)
 
 
 def _same(fn, ref, q, k, cos, sin, dtype) -> bool:
@@ -72,8 +118,9 @@ def _partial(fn, ref, q, k, cos, sin, dtype) -> str | None:
     return "fused" if _same(fn, ref, q, k, *narrow, dtype) else "original"
 
 
-def _candidate(fn, ns) -> bool:
-    """A plain function defined in `ns` that takes (q, k, cos, sin, ...) positionally."""
+def _candidate(fn, ns, n_args: int) -> bool:
+    """A plain function defined in `ns` that takes n_args positionally: (q, k, cos, sin, ...),
+    or (xq, xk, freqs_cis, ...)."""
     if not inspect.isfunction(fn) or fn.__module__ != ns.__name__:
         return False
     try:
@@ -82,11 +129,13 @@ def _candidate(fn, ns) -> bool:
         return False
     pos = [p for p in ps if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     required = [p for p in pos if p.default is p.empty]
-    return len(pos) >= 4 and len(required) <= 4
+    return len(pos) >= n_args and len(required) <= n_args
 
 
 def replace_fn(original, params: dict):
     fused = kernel_fn(KERNEL)
+    if params.get("form") == "complex":
+        return _replace_complex(original, fused, params)
 
     # Only a function whose narrower-cos calls differ from the kernel's partial rotary keeps them.
     keep_partial = params.get("partial") == "original"
@@ -101,6 +150,22 @@ def replace_fn(original, params: dict):
 
     apply_rotary_pos_emb.__wrapped_original__ = original
     return apply_rotary_pos_emb
+
+
+def _replace_complex(original, fused, params: dict):
+    calls = params.setdefault("calls", {"fused": 0, "original": 0})
+
+    def apply_rotary_emb(xq, xk, freqs_cis, *args, **kwargs):
+        cos_sin = None if args or kwargs else _cos_sin(freqs_cis, xq)
+        if cos_sin is None:  # another freqs_cis layout, or extra arguments: the original's code
+            calls["original"] += 1
+            return original(xq, xk, freqs_cis, *args, **kwargs)
+        calls["fused"] += 1
+        xq_out, xk_out = fused(xq, xk, *cos_sin, unsqueeze_dim=2, interleaved=True)
+        return xq_out.type_as(xq), xk_out.type_as(xk)
+
+    apply_rotary_emb.__wrapped_original__ = original
+    return apply_rotary_emb
 
 
 def problem(ops) -> dict | None:

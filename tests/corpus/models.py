@@ -419,9 +419,7 @@ EXPECTED: dict[str, set[str]] = {
 }
 
 # In the source, not installable by kprof yet (the corpus test checks each is still missing).
-GAPS: dict[str, set[str]] = {
-    "torchtitan_llama": {"rope"},  # interleaved (complex) RoPE: the kernel rotates halves
-}
+GAPS: dict[str, set[str]] = {}
 
 # In the source and installed, but every call takes the original code (nothing fused yet).
 UNFUSED: dict[str, set[str]] = {}

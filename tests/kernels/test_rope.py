@@ -4,8 +4,9 @@ Shapes cross the kernel's regimes: a single head/position, GQA (Hq != Hk), head 
 are not powers of two, a half-dim that is not a power of two (D=6), half-dims wider than one
 block (D=1024 loops over 4 blocks of 128; D=65536 over 256: on the CPU only once, in
 test_huge_head_dim, as the interpreter needs seconds per call), and the Llama/benchmark shapes
-(GPU only; the interpreter would take minutes). Partial rotary (cos/sin R < D wide, GPT-NeoX) has
-its own shapes: R not a power of two, D = 96, pass-throughs over several copy blocks.
+(GPU only; the interpreter would take minutes). Partial rotary (cos/sin R < D wide, GPT-NeoX) and
+the interleaved form (torchtitan's pairs (2i, 2i + 1)) have their own shapes: R not a power of
+two, D = 96, pass-throughs over several copy blocks, half-dims over several blocks.
 """
 
 import pytest
@@ -144,6 +145,50 @@ def test_partial_pass_through_grad_is_identity(device):
     assert torch.equal(q.grad[..., 10:], dq[..., 10:]) and torch.equal(k.grad[..., 10:], dk[..., 10:])
 
 
+# (B, Hq, Hk, S, D, R) for the interleaved form, pairs (2i, 2i + 1)
+INTERLEAVED_SHAPES = [
+    (1, 1, 1, 1, 2, 2),
+    (2, 3, 1, 5, 12, 12),  # odd head count, GQA, half 6
+    (3, 5, 3, 4, 96, 96),
+    (1, 2, 1, 3, 1024, 1024),  # half 512: 4 blocks of 128
+    (2, 3, 1, 4, 40, 12),  # interleaved pairs in the first R, the rest passed through
+]
+
+
+# 2: torchtitan's [B, S, H, D]; 1 reads the same pairs through other strides (slow)
+@pytest.mark.parametrize("unsqueeze_dim", [2, pytest.param(1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("dtype", DTYPE_CASES)
+@pytest.mark.parametrize("shape", INTERLEAVED_SHAPES)
+def test_interleaved_matches_reference(shape, dtype, unsqueeze_dim, device):
+    *qk_shape, rot_dim = shape
+    _check(*_make(tuple(qk_shape), dtype, device, unsqueeze_dim, rot_dim=rot_dim), unsqueeze_dim=unsqueeze_dim,
+           interleaved=True)
+
+
+def _titan_rope(xq, xk, freqs_cis):
+    """torchtitan's apply_rotary_emb (complex multiplication), [B, S, H, D] and freqs_cis [S, D/2]."""
+    xq_ = torch.view_as_complex(xq.reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.reshape(*xk.shape[:-1], -1, 2))
+    fc = freqs_cis.view(1, xq_.shape[1], 1, xq_.shape[-1])
+    return torch.view_as_real(xq_ * fc).flatten(3), torch.view_as_real(xk_ * fc).flatten(3)
+
+
+@pytest.mark.parametrize("dtype", DTYPE_CASES)
+def test_interleaved_matches_torchtitan(dtype, device):
+    """The complex form on torchtitan's freqs_cis, in fp64; cos/sin are its real and imaginary
+    parts, each repeated per pair."""
+    b, hq, hk, s, d = 2, 3, 1, 7, 16
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).double() / d))
+    freqs_cis = torch.polar(torch.ones(s, d // 2, dtype=torch.float64), torch.outer(torch.arange(s).double(), inv_freq))
+    q, k, _, _ = _make((b, hq, hk, s, d), dtype, device, unsqueeze_dim=2)
+    cos = freqs_cis.real.repeat_interleave(2, -1).to(device, dtype)
+    sin = freqs_cis.imag.repeat_interleave(2, -1).to(device, dtype)
+    qo, ko = apply_rope(q, k, cos, sin, unsqueeze_dim=2, interleaved=True)
+    qt, kt = _titan_rope(q.double(), k.double(), freqs_cis.to(device))
+    assert_close(qo, qt, dtype)
+    assert_close(ko, kt, dtype)
+
+
 @pytest.mark.slow
 def test_huge_head_dim(device):
     """head_dim 65536 (half 32768 = 256 blocks of 128) loops instead of erroring."""
@@ -229,14 +274,15 @@ def test_position_ids_compat(device):
     s=st.integers(1, 7),
     half=st.integers(1, 40),
     n_pass=st.sampled_from([0, 0, 2, 6, 30]),  # partial rotary: D - R passed through
+    interleaved=st.booleans(),
     unsqueeze_dim=st.sampled_from([1, 2]),
     dtype=st.sampled_from(DTYPES),
     seed=st.integers(0, 2**16),
 )
-def test_property_random_shapes(b, hq, hk, s, half, n_pass, unsqueeze_dim, dtype, seed):
+def test_property_random_shapes(b, hq, hk, s, half, n_pass, interleaved, unsqueeze_dim, dtype, seed):
     q, k, cos, sin = _make((b, hq, hk, s, 2 * half + n_pass), dtype, DEVICE, unsqueeze_dim, seed=seed,
                            rot_dim=2 * half)
-    _check(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    _check(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, interleaved=interleaved)
 
 
 def test_backward_is_inverse_rotation(device):
@@ -511,6 +557,15 @@ def test_custom_ops_opcheck(unsqueeze_dim, device):
     torch.library.opcheck(rope_bwd_op, (q, k, cos, sin, unsqueeze_dim))
 
 
+@pytest.mark.slow  # the registration above, with its bool argument set
+def test_custom_ops_opcheck_interleaved(device):
+    from kprof.kernels.rope import rope_bwd_op, rope_fwd_op
+
+    q, k, cos, sin = _make((2, 4, 2, 5, 8), torch.float32, device, 2)
+    torch.library.opcheck(rope_fwd_op, (q, k, cos, sin, 2, True))
+    torch.library.opcheck(rope_bwd_op, (q, k, cos, sin, 2, True))
+
+
 def test_many_heads_loop(device):
     """More heads than one tile holds (2 * (2048 + 4) * 8 > 16384 elements): heads loop in blocks."""
     from kprof.kernels.rope import RopeConfig
@@ -561,16 +616,20 @@ def test_kernel_compiles_for_sm90_with_vector_accesses():
         assert c.one_tile
         for bwd in (False, True):
             variants.append((dict(BLOCK_HQ=c.block_hq, BLOCK_HK=c.block_hk, BLOCK_D=c.block_d, ONE_TILE=True,
-                                  BACKWARD=bwd, PASS=False, BLOCK_P=c.block_p), c.num_warps))
+                                  BACKWARD=bwd, PASS=False, BLOCK_P=c.block_p, INTERLEAVED=False), c.num_warps))
     c = RopeConfig.for_shape(40, 8, 128)  # head_dim 256 with 40 heads: heads loop in blocks
     assert not c.one_tile
     variants.append((dict(BLOCK_HQ=c.block_hq, BLOCK_HK=c.block_hk, BLOCK_D=c.block_d, ONE_TILE=False,
-                          BACKWARD=False, PASS=False, BLOCK_P=c.block_p), c.num_warps))
+                          BACKWARD=False, PASS=False, BLOCK_P=c.block_p, INTERLEAVED=False), c.num_warps))
     c = RopeConfig.for_shape(32, 32, 16, 96)  # GPT-NeoX: R = 32 of head_dim 128, 96 copied through
     assert c.one_tile
     for bwd in (False, True):
         variants.append((dict(BLOCK_HQ=c.block_hq, BLOCK_HK=c.block_hk, BLOCK_D=c.block_d, ONE_TILE=True,
-                              BACKWARD=bwd, PASS=True, BLOCK_P=c.block_p), c.num_warps))
+                              BACKWARD=bwd, PASS=True, BLOCK_P=c.block_p, INTERLEAVED=False), c.num_warps))
+    c = RopeConfig.for_shape(32, 8, 64)  # torchtitan's Llama-3 8B: interleaved pairs
+    for bwd in (False, True):
+        variants.append((dict(BLOCK_HQ=c.block_hq, BLOCK_HK=c.block_hk, BLOCK_D=c.block_d, ONE_TILE=True,
+                              BACKWARD=bwd, PASS=False, BLOCK_P=c.block_p, INTERLEAVED=True), c.num_warps))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT, repr(variants)], capture_output=True, text=True,
                           env=env, timeout=600)
@@ -578,6 +637,8 @@ def test_kernel_compiles_for_sm90_with_vector_accesses():
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("compiled")]
     assert len(lines) == len(variants)
     for ln in lines:
+        if "'INTERLEAVED': True" in ln:  # pairs (2i, 2i + 1) are stride-2 loads: compiled, not vectors
+            continue
         # bf16 in vectors: 16 bytes (v4.b32) for the big tiles; the [8, 64] k tile of GQA has only
         # 4 elements per thread at 4 warps, so 8 bytes (v2.b32) there. A scalar access (b16, b32)
         # would mean the alignment/contiguity was lost. (The looped path at BLOCK_D 128 loads its
