@@ -40,10 +40,19 @@ WORKLOADS = {
 SPEEDUP_1B = 1.31  # the 1B Llama's kprof speed-up over eager before issue 18 (README Status table)
 
 
-def kprof(args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "kprof", *args]
+def kprof(args: list, timeout: float) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "kprof", *map(str, args)]
     print("+", " ".join(cmd), file=sys.stderr, flush=True)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def choose(spec: str, known, what: str) -> list[str]:
+    """The comma-separated names in `spec`, each one of `known`, or exit saying which are not."""
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise SystemExit(f"unknown {what} {', '.join(bad)}; choose from {', '.join(known)}")
+    return names
 
 
 def newest_run(root: Path) -> Path:
@@ -137,10 +146,7 @@ def main() -> None:
     ap.add_argument("--script-args", default="", help="appended to every workload's arguments, e.g. "
                     "'--batch-size 1 --seq-len 32' for a CPU smoke run")
     args = ap.parse_args()
-    names = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    bad = [w for w in names if w not in WORKLOADS]
-    if bad:
-        raise SystemExit(f"unknown workload(s) {', '.join(bad)}; choose from {', '.join(WORKLOADS)}")
+    names = choose(args.workloads, WORKLOADS, "workload(s)")
     args.out.mkdir(parents=True, exist_ok=True)
     when = dt.datetime.now().strftime("%Y%m%dT%H%M%S")
     rows = []

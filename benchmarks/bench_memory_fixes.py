@@ -24,19 +24,14 @@ import argparse
 import datetime as dt
 import json
 import subprocess
-import sys
 from pathlib import Path
+
+from bench_apply_ablation import choose, kprof  # run as a script: benchmarks/ is on the path
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = ROOT / "examples" / "llama_train.py"
 GPT = ROOT / "examples" / "gpt_train.py"
 GIB = 2**30
-
-
-def kprof(args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "kprof", *map(str, args)]
-    print("+", " ".join(cmd), file=sys.stderr, flush=True)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
 def _json(p: subprocess.CompletedProcess) -> dict:
@@ -126,10 +121,7 @@ def main() -> None:
     ap.add_argument("--script-args", default="", help="appended to the scripts' arguments (a CPU smoke run)")
     args = ap.parse_args()
     parts = {"ckpt": ckpt, "batch": batch}
-    names = [n.strip() for n in args.only.split(",") if n.strip()]
-    bad = [n for n in names if n not in parts]
-    if bad:
-        raise SystemExit(f"unknown part(s) {', '.join(bad)}; choose from {', '.join(parts)}")
+    names = choose(args.only, parts, "part(s)")
     args.out.mkdir(parents=True, exist_ok=True)
     when = dt.datetime.now().strftime("%Y%m%dT%H%M%S")
     res: dict = {}
