@@ -259,6 +259,12 @@ def test_planted_noisy_is_undecided(tmp_path):
     assert "within the spread" in p["reason"] and p["spread_ms"] > 5
     assert doc["kept"] == [] and doc["records"]["after"] == []
     assert "none is kept" in doc["recommendation"] and "--compare" in doc["recommendation"]
+    # printed: the before/after table says its difference is noise when nothing was kept
+    script, root = tmp_path / "planted.py", tmp_path / "runs"
+    res = CliRunner().invoke(_app(), ["apply", str(script), "--patch", "noisy", "--rules", str(tmp_path / "rules"),
+                                      "--out", str(root), "--steps", "14", "--", "jitter", "40"])
+    assert res.exit_code == 0, res.output
+    assert "run-to-run noise" in " ".join(res.output.split())
 
 
 def test_script_shorter_than_the_plan_says_to_give_it_more_steps(tmp_path):

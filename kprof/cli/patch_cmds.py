@@ -146,6 +146,10 @@ def render_apply(res, out: Console | None = None) -> None:
                   [[Text(r["metric"]), _f(r["before"]), _f(r["after"]), _f(r["change %"], "{:+.1f}")]
                    for r in res.steps.to_dict("records")], w,
                   title=f"before ({res.before.name}) vs after ({res.after.name})"))
+    if not res.kept:
+        # Two processes of the same code: 64.1 against 54.4 ms on the 150M Llama (H200).
+        out.print("[yellow]nothing was kept, so before and after ran the same code: their difference is "
+                  "run-to-run noise[/yellow]")
     _render_ablation(res, out)
     out.print(fit([Col("step", **num), Col("before", **num), Col("after", **num), Col("rel diff", **num)],
                   [[str(r["step"]), f"{r['before']:.6f}", f"{r['after']:.6f}", f"{r['rel diff']:.2e}"]
@@ -153,11 +157,11 @@ def render_apply(res, out: Console | None = None) -> None:
     w = res.watch
     if w is not None and w["diverged"]:
         out.print(f"[red]loss diverged at step {w['step']}: {w['after']:.6g} patched vs {w['before']:.6g} unpatched, "
-                  f"|diff| {w['delta']:.2e} > {w['k']:g} x the unpatched runs' spread or the dtype's tolerance "
+                  f"|diff| {w['delta']:.2e} > {w['k']:g} x the unpatched runs' spread or the loss's own precision "
                   f"({w['limit']:.2e})[/red]")
     elif w is not None:
         out.print(f"[green]losses agree over all {w['steps']} steps: |diff| at most {w['max_delta']:.2e}, within "
-                  f"{w['k']:g} x the spread of two unpatched runs ({w['spread']:.2e}) or the dtype's tolerance[/green]")
+                  f"{w['k']:g} x the spread of two unpatched runs ({w['spread']:.2e}) or the loss's own precision[/green]")
     elif res.losses_agree is True:
         out.print(f"[green]first loss agrees within the patched dtype's tolerance (rtol {res.loss_tolerance:g})[/green]")
     elif res.losses_agree is False:
