@@ -64,10 +64,14 @@ class LoopMoE(nn.Module):
         w = w / w.sum(-1, keepdim=True)
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
-            rows, slot = torch.where(idx == e)
+            rows, slot = self.kept(*torch.where(idx == e))
             if rows.numel():
                 out.index_add_(0, rows, expert(x[rows]) * w[rows, slot, None])
         return out.reshape(shape)
+
+    def kept(self, rows, slot):
+        """The (token, choice) pairs an expert takes: all of them (a capacity factor drops some)."""
+        return rows, slot
 
 
 class DenseMaskMoE(nn.Module):

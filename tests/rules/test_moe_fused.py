@@ -123,18 +123,8 @@ class _CapacityMoE(LoopMoE):
 
     cap = 40
 
-    def forward(self, x):
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        w, idx = self.router(x).softmax(-1).topk(self.k, dim=-1)
-        w = w / w.sum(-1, keepdim=True)
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            rows, slot = torch.where(idx == e)
-            rows, slot = rows[: self.cap], slot[: self.cap]
-            if rows.numel():
-                out.index_add_(0, rows, expert(x[rows]) * w[rows, slot, None])
-        return out.reshape(shape)
+    def kept(self, rows, slot):
+        return rows[: self.cap], slot[: self.cap]
 
 
 def test_capacity_factor_declined():
