@@ -61,7 +61,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from kprof.kernels.common import TOLERANCE, Tol
+from kprof.kernels.common import TOLERANCE, Tol, rel_norm
 
 # Precision order: larger = less precise (used to pick the tolerance dtype).
 COARSENESS = {torch.float64: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
@@ -145,18 +145,6 @@ def _elementwise(a: torch.Tensor, b: torch.Tensor, tol: Tol) -> float:
         return float("inf")
     diff = (a - b).abs().nan_to_num(0.0)
     return float((diff / bound).max()) if diff.numel() else 0.0
-
-
-def _rel_norm(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    fa, fb = torch.isfinite(a), torch.isfinite(b)
-    if (fa != fb).any():
-        return float("inf")
-    num = (a - b)[fa].norm()
-    den = b[fb].norm()
-    if den == 0:
-        return float(num)  # both should be zero; any difference counts at absolute scale
-    return float(num / den)
 
 
 def _clone_args(args, kwargs, upcast: bool = False):
@@ -296,10 +284,10 @@ def _truth_checks(names, out, ref_out, tru_out, grads, ref_grads, tru_grads) -> 
         if a.shape != b.shape:
             checks.append(Check(f"{name} shape {tuple(a.shape)} vs {tuple(b.shape)}", "shape", float("inf"), 1.0, False))
             continue
-        e_eager = _rel_norm(b, t)
+        e_eager = rel_norm(b, t)
         if not e_eager <= TRUTH_SANE:  # also NaN/inf
             return f"eager's {name} is {e_eager:.2g} from its fp32 run (not the same computation)"
-        e = _rel_norm(a, t)
+        e = rel_norm(a, t)
         limit = K * e_eager + _floor(a.dtype, b.dtype)
         checks.append(Check(name, "vs-fp32", e, limit, e <= limit, e_eager))
     return checks
@@ -319,7 +307,7 @@ def _table_checks(names, out, ref_out, grads, ref_grads, tol: Tol) -> list[Check
         if a is None or b is None:
             checks.append(Check(f"{name} (missing on one side)", "rel-norm", float("inf"), tol.rtol, False))
             continue
-        e = _rel_norm(a, b)
+        e = rel_norm(a, b)
         checks.append(Check(name, "rel-norm", e, tol.rtol, e <= tol.rtol))
     return checks
 
