@@ -44,7 +44,10 @@ from kprof.errors import KprofError
 from kprof.kernels import cross_entropy_sm90 as _sm90
 from kprof.kernels.common import (
     FP_FUSION,
+    _REAL_TENSORS,
     fast_math,
+    kernel_op,
+    launch,
     num_warps,
     persistent_programs,
     use_triton,
@@ -463,14 +466,20 @@ def _ce_fwd_launch(
     target = target.contiguous()  # the kernel reads target[row] at unit stride
     if check_targets:  # linear_cross_entropy checks all targets once, not per chunk
         _check_target_values(target, n_cols, ignore_index)
-    if config is None and _sm90.try_launch(
+    # Hopper: the cluster kernel (one DRAM read per logit, cross_entropy_sm90.py), on real tensors
+    # only. It is CUDA C++ launched through ctypes, which a traced body cannot record, so under
+    # torch.compile the Triton kernel runs (H200, bf16 8192 x 128256: 1.26 ms fwd+bwd against
+    # the cluster kernel's 1.11 ms).
+    if config is None and type(logits) in _REAL_TENSORS and _sm90.try_launch(
         logits, target, grad, loss_rows, grad_scale, ignore_index, label_smoothing, z_loss, softcap
     ):
-        return  # Hopper: the cluster kernel (one DRAM read per logit, cross_entropy_sm90.py)
+        return
     cfg = config or CEConfig.for_problem(n_rows, n_cols, logits.dtype, logits.device)
     compute_grad = grad is not None
     g = grad if compute_grad else logits  # unused pointer when not computing the grad
-    _ce_fwd_kernel[(cfg.n_programs,)](
+    launch(
+        _ce_fwd_kernel,
+        (cfg.n_programs,),
         logits,
         logits.stride(0),
         target,
@@ -514,16 +523,17 @@ def _scale_launch(grad: torch.Tensor, scale: torch.Tensor) -> None:
     # GPU: persistent grid (4 programs per SM of 8 warps); interpreter: one program looping (its
     # cost is per program launched, and a skipped launch then costs one program).
     n_prog = persistent_programs(n_tiles, grad.device, 4) if grad.is_cuda else 1
-    _scale_kernel[(n_prog,)](grad, scale, n_rows, n_cols, SCALAR=scalar, BLOCK=block, num_warps=8 if grad.is_cuda else 4, **FP_FUSION)
+    launch(_scale_kernel, (n_prog,), grad, scale, n_rows, n_cols, SCALAR=scalar, BLOCK=block,
+           num_warps=8 if grad.is_cuda else 4, **FP_FUSION)
 
 
 # ----------------------------------------------------------------------------------------------
-# 3. torch.library custom ops (opaque to torch.compile: no graph break, profiler sees kprof::*)
+# 3. Registered ops (common.kernel_op: triton_ops Inductor launches itself; the autograd.Function
+#    calls the bodies directly in eager mode)
 # ----------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("kprof::cross_entropy_fwd", mutates_args=())
-def _ce_fwd_op(
+def _ce_fwd(
     logits: torch.Tensor,
     target: torch.Tensor,
     grad_scale: torch.Tensor,
@@ -542,14 +552,7 @@ def _ce_fwd_op(
     return loss_rows, grad if grad is not None else logits.new_empty(0)
 
 
-@_ce_fwd_op.register_fake
-def _(logits, target, grad_scale, ignore_index, label_smoothing, z_loss, softcap, compute_grad):
-    loss_rows = logits.new_empty(logits.shape[0], dtype=torch.float32)
-    return loss_rows, (logits.new_empty(logits.shape) if compute_grad else logits.new_empty(0))
-
-
-@torch.library.custom_op("kprof::cross_entropy_fwd_inplace", mutates_args=("logits",))
-def _ce_fwd_inplace_op(
+def _ce_fwd_inplace(
     logits: torch.Tensor,
     target: torch.Tensor,
     grad_scale: torch.Tensor,
@@ -564,16 +567,35 @@ def _ce_fwd_inplace_op(
     return loss_rows
 
 
-@_ce_fwd_inplace_op.register_fake
-def _(logits, target, grad_scale, ignore_index, label_smoothing, z_loss, softcap):
-    return logits.new_empty(logits.shape[0], dtype=torch.float32)
-
-
-@torch.library.custom_op("kprof::cross_entropy_bwd", mutates_args=("grad",))
-def _ce_bwd_op(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
+def _ce_bwd(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
     """grad *= grad_output in place (grad_output: one value, or one per row of grad); moves no
     data when grad_output is exactly 1. Also used by linear_cross_entropy for its stored grads."""
     _scale_launch(grad, grad_output.to(torch.float32).contiguous())
+
+
+def _ce_bwd_eager(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
+    """`_ce_bwd` for the eager path, bumping grad's version counter as the op's registered
+    mutation does: a second backward through the scaled buffer then raises instead of scaling it
+    twice."""
+    _ce_bwd(grad, grad_output)
+    torch.autograd.graph.increment_version(grad)
+
+
+_ce_fwd_op = kernel_op("kprof::cross_entropy_fwd")(_ce_fwd)
+_ce_fwd_inplace_op = kernel_op("kprof::cross_entropy_fwd_inplace", mutates_args=("logits",))(_ce_fwd_inplace)
+_ce_bwd_op = kernel_op("kprof::cross_entropy_bwd", mutates_args=("grad",))(_ce_bwd)
+
+
+# Shapes-only fakes: Dynamo runs these instead of the bodies, whose target check reads values.
+@_ce_fwd_op.register_fake
+def _(logits, target, grad_scale, ignore_index, label_smoothing, z_loss, softcap, compute_grad):
+    loss_rows = logits.new_empty(logits.shape[0], dtype=torch.float32)
+    return loss_rows, (logits.new_empty(logits.shape) if compute_grad else logits.new_empty(0))
+
+
+@_ce_fwd_inplace_op.register_fake
+def _(logits, target, grad_scale, ignore_index, label_smoothing, z_loss, softcap):
+    return logits.new_empty(logits.shape[0], dtype=torch.float32)
 
 
 @_ce_bwd_op.register_fake
@@ -654,15 +676,21 @@ class _CrossEntropyFunction(torch.autograd.Function):
         sc = float(softcap or 0.0)
         # In place needs unit stride along V and rows that do not overlap (not an expand()).
         inplace_ok = logits.stride(-1) == 1 and logits.stride(0) >= logits.shape[1]
+        op = via_custom_op()  # eager: the bodies themselves, no op dispatch (common.via_custom_op)
         if need_grad and inplace_grad and inplace_ok:
-            loss_rows = torch.ops.kprof.cross_entropy_fwd_inplace(
-                logits, target, scale, ignore_index, label_smoothing, z_loss, sc
-            )
+            if op:
+                loss_rows = torch.ops.kprof.cross_entropy_fwd_inplace(
+                    logits, target, scale, ignore_index, label_smoothing, z_loss, sc
+                )
+            else:
+                loss_rows = _ce_fwd_inplace(logits, target, scale, ignore_index, label_smoothing, z_loss, sc)
+                # as the op's registered mutation does: an autograd node that saved the logits
+                # then raises in its backward instead of reading the gradient
+                torch.autograd.graph.increment_version(logits)
             grad = logits
         else:
-            loss_rows, grad = torch.ops.kprof.cross_entropy_fwd(
-                logits, target, scale, ignore_index, label_smoothing, z_loss, sc, need_grad
-            )
+            fwd = torch.ops.kprof.cross_entropy_fwd if op else _ce_fwd
+            loss_rows, grad = fwd(logits, target, scale, ignore_index, label_smoothing, z_loss, sc, need_grad)
         if need_grad:
             ctx.save_for_backward(grad)
         ctx.reduction = reduction
@@ -674,7 +702,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         # The gradient was computed in the forward; only grad_output remains. Scaling in place is
         # safe because the buffer is private (or the caller gave up the logits with inplace_grad);
         # it bumps the saved tensor's version, so a second backward (retain_graph) raises.
-        torch.ops.kprof.cross_entropy_bwd(grad, grad_output)
+        (torch.ops.kprof.cross_entropy_bwd if via_custom_op() else _ce_bwd_eager)(grad, grad_output)
         return grad, None, None, None, None, None, None, None, None
 
 

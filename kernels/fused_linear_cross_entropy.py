@@ -34,10 +34,11 @@ import torch
 import torch.nn.functional as F
 
 from kprof.errors import KprofError
-from kprof.kernels.common import use_triton, via_custom_op, warn_fallback
+from kprof.kernels.common import kernel_op, use_triton, via_custom_op, warn_fallback
 from kprof.kernels.cross_entropy import (
     _DTYPES,
     _FWD_FLOPS_PER_LOGIT,
+    _ce_bwd_eager,
     _ce_fwd_launch,
     _check_options,
     _check_target_values,
@@ -172,12 +173,15 @@ def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# torch.library custom ops
+# Registered ops (common.kernel_op). The op is the whole chunk loop, not one op per chunk: under
+# torch.compile Dynamo keeps one node whatever the chunk count (its fake is shapes only), and
+# AOTAutograd traces the body into the chunks' aten matmuls (which Inductor hands to cuBLAS or its
+# own GEMM templates) and `triton_kernel_wrapper_functional` launches of the CE kernel, which
+# Inductor launches itself. In eager mode the autograd.Function calls `_lce_launch` directly.
 # ----------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("kprof::linear_cross_entropy_fwd", mutates_args=())
-def _lce_fwd_op(
+def _lce_fwd(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -202,6 +206,11 @@ def _lce_fwd_op(
     return loss_rows, _or_empty(gh, hidden), _or_empty(gw, weight), _or_empty(gb, weight)
 
 
+_lce_fwd_op = kernel_op("kprof::linear_cross_entropy_fwd")(_lce_fwd)
+
+
+# Shapes-only fakes: Dynamo runs these instead of the bodies (which check target values and size
+# their chunks from free memory).
 @_lce_fwd_op.register_fake
 def _(hidden, weight, bias, target, grad_scale, ignore_index, label_smoothing, z_loss, softcap,
       need_gh, need_gw, need_gb, chunk_size, accum_fp32):
@@ -213,8 +222,7 @@ def _(hidden, weight, bias, target, grad_scale, ignore_index, label_smoothing, z
     )
 
 
-@torch.library.custom_op("kprof::linear_cross_entropy_bwd", mutates_args=())
-def _lce_bwd_op(
+def _lce_bwd(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -237,6 +245,9 @@ def _lce_bwd_op(
         label_smoothing, z_loss, softcap, need_gh, need_gw, need_gb, chunk_size, accum_fp32,
     )
     return _or_empty(gh, hidden), _or_empty(gw, weight), _or_empty(gb, weight)
+
+
+_lce_bwd_op = kernel_op("kprof::linear_cross_entropy_bwd")(_lce_bwd)
 
 
 @_lce_bwd_op.register_fake
@@ -264,27 +275,28 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.chunk = (chunk_size, accum_fp32)
         ctx.has_bias = bias is not None
         n_valid = None
+        # Eager: `_lce_launch` itself, no op dispatch (common.via_custom_op); it returns None for
+        # the grads not requested where the op returns empty tensors.
+        op = via_custom_op()
+        fwd = torch.ops.kprof.linear_cross_entropy_fwd if op else _lce_launch
         if reduction == "none":
             # Per-token grad_output is only known in the backward: store inputs, recompute there.
             ones = torch.ones((), dtype=torch.float32, device=hidden.device)
-            loss_rows, *_ = torch.ops.kprof.linear_cross_entropy_fwd(
-                hidden, weight, bias, target, ones, *opts, False, False, False, chunk_size, accum_fp32
-            )
+            loss_rows, *_ = fwd(hidden, weight, bias, target, ones, *opts, False, False, False, chunk_size, accum_fp32)
             ctx.save_for_backward(hidden, weight, bias, target)
         else:
             scale, n_valid = _scale_and_count(target, ignore_index, reduction)
-            if grad_into_hidden and need_gh and hidden.is_contiguous() and not via_custom_op():
-                # Eager only (the custom op is functional). hidden's version counter moves (the
-                # GEMMs write it with out=), so anything else that saved hidden fails loudly in
-                # its backward, and apply's first-call verification reverts the patch.
+            if grad_into_hidden and need_gh and hidden.is_contiguous() and not op:
+                # Eager only (the op is functional). hidden's version counter moves (the GEMMs
+                # write it with out=), so anything else that saved hidden fails loudly in its
+                # backward, and apply's first-call verification reverts the patch.
                 loss_rows, gh, gw, gb = _lce_launch(
                     hidden, weight, bias, target, scale, *opts, need_gh, need_gw, need_gb, chunk_size, accum_fp32,
                     gh_into_hidden=True,
                 )
                 gh = gh.detach()
-                gw, gb = _or_empty(gw, weight), _or_empty(gb, weight)
             else:
-                loss_rows, gh, gw, gb = torch.ops.kprof.linear_cross_entropy_fwd(
+                loss_rows, gh, gw, gb = fwd(
                     hidden, weight, bias, target, scale, *opts, need_gh, need_gw, need_gb, chunk_size, accum_fp32
                 )
             ctx.save_for_backward(gh, gw, gb)
@@ -298,17 +310,17 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             hidden, weight, bias, target = ctx.saved_tensors
             need_gh, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
             need_gb = ctx.has_bias and ctx.needs_input_grad[2]
-            gh, gw, gb = torch.ops.kprof.linear_cross_entropy_bwd(
-                hidden, weight, bias, target, grad_output, *ctx.opts, need_gh, need_gw, need_gb, *ctx.chunk
-            )
+            bwd = torch.ops.kprof.linear_cross_entropy_bwd if via_custom_op() else _lce_bwd
+            gh, gw, gb = bwd(hidden, weight, bias, target, grad_output, *ctx.opts, need_gh, need_gw, need_gb, *ctx.chunk)
         else:
             # Grads were computed in the forward; scale them in place by grad_output (a no-op on
             # the device when it is 1). The buffers are private; a second backward raises.
             gh, gw, gb = ctx.saved_tensors
             need_gh, need_gw, need_gb = ctx.need
+            scale = torch.ops.kprof.cross_entropy_bwd if via_custom_op() else _ce_bwd_eager
             for g, need in ((gh, need_gh), (gw, need_gw), (gb, need_gb)):
                 if need:
-                    torch.ops.kprof.cross_entropy_bwd(g, grad_output)
+                    scale(g, grad_output)
         return (gh if need_gh else None, gw if need_gw else None, gb if need_gb else None) + tail
 
 
