@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kprof.kernels import bias_gelu, glu, layer_norm, rms_norm, rope, softmax
+from kprof.kernels import bias_gelu, cross_entropy, fused_linear_cross_entropy, glu, layer_norm, rms_norm, rope, softmax
 from kprof.kernels.common import assert_close
 
 gpu = pytest.mark.gpu
@@ -34,6 +34,18 @@ def _rope_inputs(device, dtype):
     q, k = _t(2, 4, 6, 16, device=device, dtype=dtype), _t(2, 2, 6, 16, device=device, dtype=dtype, seed=1)
     ang = _t(1, 6, 16, device=device, dtype=torch.float32, seed=2)
     return [q, k], [ang.cos().to(dtype), ang.sin().to(dtype)]
+
+
+def _targets(n, vocab, device):
+    """Class indices with every third one ignored (the default ignore_index, -100)."""
+    t = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n + vocab))
+    t[::3] = -100
+    return t.to(device)
+
+
+def _lce_inputs(device, dtype):
+    h, w, b = _t(6, 16, device=device, dtype=dtype), _t(37, 16, device=device, dtype=dtype, seed=1), _t(37, device=device, dtype=dtype, seed=2)
+    return [h, w / 4, b], [_targets(6, 37, device)]
 
 
 # name -> (make(device, dtype) -> (differentiable inputs, constant inputs), call, fwd ops, bwd ops).
@@ -95,6 +107,36 @@ CASES = {
         _rope_inputs,
         lambda q, k, cos, sin: rope.apply_rope(q, k, cos, sin),
         {"rope_fwd"}, {"rope_bwd"},
+    ),
+    # The losses' grad_output is not 1 here (`_run` takes sin of the loss), so the backward's
+    # scaling kernel does work.
+    "cross_entropy": (
+        lambda d, dt: ([_t(6, 37, device=d, dtype=dt)], [_targets(6, 37, d)]),
+        lambda z, t: cross_entropy.cross_entropy(z, t, label_smoothing=0.1, z_loss=1e-3),
+        {"cross_entropy_fwd"}, {"cross_entropy_bwd"},
+    ),
+    "cross_entropy_softcap_none": (
+        lambda d, dt: ([_t(6, 37, device=d, dtype=dt)], [_targets(6, 37, d)]),
+        lambda z, t: cross_entropy.cross_entropy(z, t, reduction="none", softcap=2.0),
+        {"cross_entropy_fwd"}, {"cross_entropy_bwd"},
+    ),
+    "cross_entropy_inplace": (
+        lambda d, dt: ([_t(6, 37, device=d, dtype=dt)], [_targets(6, 37, d)]),
+        # logits * 1: the gradient overwrites a non-leaf, as it would a model's logits
+        lambda z, t: cross_entropy.cross_entropy(z * 1.0, t, reduction="sum", inplace_grad=True),
+        {"cross_entropy_fwd_inplace"}, {"cross_entropy_bwd"},
+    ),
+    "linear_cross_entropy": (  # two chunks, bias, an fp32 loss
+        _lce_inputs,
+        lambda h, w, b, t: fused_linear_cross_entropy.linear_cross_entropy(
+            h, w, t, b, label_smoothing=0.1, chunk_size=4, loss_dtype=torch.float32),
+        {"linear_cross_entropy_fwd"}, {"cross_entropy_bwd"},
+    ),
+    "linear_cross_entropy_none": (  # recomputed in the backward
+        _lce_inputs,
+        lambda h, w, b, t: fused_linear_cross_entropy.linear_cross_entropy(
+            h, w, t, b, reduction="none", z_loss=1e-3, softcap=2.0, chunk_size=4),
+        {"linear_cross_entropy_fwd"}, {"linear_cross_entropy_bwd"},
     ),
 }
 
@@ -183,7 +225,7 @@ from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._subclasses.functional_tensor import dispatch_functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
-from kprof.kernels import bias_gelu, glu, layer_norm, rms_norm, rope, softmax
+from kprof.kernels import bias_gelu, cross_entropy, fused_linear_cross_entropy, glu, layer_norm, rms_norm, rope, softmax
 K = torch.ops.kprof
 fm = FakeTensorMode()
 with fm:
@@ -193,6 +235,13 @@ with fm:
     q, k, cos = torch.randn(2, 4, 6, 16, **bf), torch.randn(2, 2, 6, 16, **bf), torch.randn(1, 6, 16, **bf)
     rstd = torch.randn(4, device="cuda")
     stats = torch.randn(3, 4, device="cuda")
+    tgt, one = torch.randint(0, 37, (4,), device="cuda"), torch.ones((), device="cuda")
+    # linear+CE slices its inputs into chunks, which a fake CUDA tensor cannot do here (see
+    # NOT_HERE): its body is traced on meta tensors, as the CE kernel's interpreter configuration.
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    h, W, hb = torch.randn(4, 16, **meta), torch.randn(37, 16, **meta), torch.randn(37, **meta)
+    mt = torch.randint(0, 37, (4,), device="meta")
+    m1 = torch.ones((), device="meta")
 CALLS = {
     "rms_norm_fwd": (K.rms_norm_fwd, (x, w, 1e-6, 0.0, "llama",)),
     "rms_norm_add_fwd": (K.rms_norm_add_fwd, (x, r, w, 1e-6, 1.0, "gemma",)),
@@ -213,6 +262,15 @@ CALLS = {
     "softmax_bwd": (K.softmax_bwd, (s, s, 0.5, True,)),
     "rope_fwd": (K.rope_fwd, (q, k, cos, cos, 1,)),
     "rope_bwd": (K.rope_bwd, (q, k, cos, cos, 1,)),
+    "cross_entropy_fwd": (K.cross_entropy_fwd, (x, tgt, one, -100, 0.1, 1e-3, 0.0, True,)),
+    "cross_entropy_fwd_inplace": (K.cross_entropy_fwd_inplace, (x, tgt, one, -100, 0.0, 0.0, 2.0,)),
+    "cross_entropy_bwd": (K.cross_entropy_bwd, (x, rstd,)),
+    # two chunks of 2 rows; all grads, bias
+    "linear_cross_entropy_fwd": (K.linear_cross_entropy_fwd,
+                                 (h, W, hb, mt, m1, -100, 0.1, 0.0, 0.0, True, True, True, 2, False,)),
+    # reduction='none': per-row grad_output, no bias, grad_W accumulated in fp32
+    "linear_cross_entropy_bwd": (K.linear_cross_entropy_bwd,
+                                 (h, W, None, mt, mt.float(), -100, 0.0, 1e-3, 2.0, True, True, False, 2, True,)),
 }
 # Indexing a fake CUDA tensor (`stats[2]`, `gu2[:, :i]`) needs a CUDA device guard, which a CPU
 # build of torch lacks: these bodies are traced on the GPU only; here they are checked registered.
@@ -220,7 +278,7 @@ NOT_HERE = {"layer_norm_fwd", "layer_norm_bwd", "swiglu_packed_fwd", "swiglu_pac
             "geglu_packed_bwd"}
 for name, (op, args) in CALLS.items():
     if name in NOT_HERE:
-        print(name, "triton_op" if f"kprof::{name}" in torch._library.triton.triton_ops_to_kernels else "-", "-")
+        print(name, "triton_op" if f"kprof::{name}" in torch._library.triton.triton_ops_to_kernels else "-", "-", "-")
         continue
     tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
 
@@ -232,13 +290,15 @@ for name, (op, args) in CALLS.items():
 
     with fm:
         gm = make_fx(dispatch_functionalize(call))(*(args[i] for i in tensors))
-    kernels, opaque = [], []
+    kernels, opaque, matmuls = [], [], []
     for n in gm.graph.nodes:
         if "triton_kernel_wrapper" in str(n.target):
             kernels.append(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__)
         elif "kprof" in str(n.target):
             opaque.append(str(n.target))
-    print(name, ",".join(kernels) or "-", ",".join(opaque) or "-")
+        elif n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            matmuls.append(n.target.__name__.split(".")[0])
+    print(name, ",".join(kernels) or "-", ",".join(opaque) or "-", ",".join(matmuls) or "-")
 """
 
 # op -> the Triton kernels its body launches, in order.
@@ -262,6 +322,18 @@ TRITON_OP_KERNELS = {
     "softmax_bwd": "_softmax_bwd_rows_kernel",
     "rope_fwd": "_rope_kernel",
     "rope_bwd": "_rope_kernel",
+    "cross_entropy_fwd": "_ce_fwd_kernel",
+    "cross_entropy_fwd_inplace": "_ce_fwd_kernel",
+    "cross_entropy_bwd": "_scale_kernel",
+    "linear_cross_entropy_fwd": "_ce_fwd_kernel,_ce_fwd_kernel",
+    "linear_cross_entropy_bwd": "_ce_fwd_kernel,_ce_fwd_kernel",
+}
+# The aten matmuls of linear+CE's chunk loop, in order, which stay aten nodes in the traced body.
+# Per chunk: the logits (addmm with a bias), grad_W (mm for the first chunk, then addmm into the
+# accumulator), grad_hidden (mm).
+TRITON_OP_MATMULS = {
+    "linear_cross_entropy_fwd": "addmm,mm,mm,addmm,addmm,mm",
+    "linear_cross_entropy_bwd": "mm,mm,mm,mm,addmm,mm",
 }
 
 
@@ -272,11 +344,11 @@ def test_ops_are_triton_ops_that_trace_into_their_kernels():
     from aot_helpers import run_aot_script
 
     lines = run_aot_script(TRITON_OP_SCRIPT).split("\n")
-    got = {name: (kernels, opaque) for name, kernels, opaque in (ln.split(" ") for ln in lines if ln)}
-    want = {name: (kernels, "-") for name, kernels in TRITON_OP_KERNELS.items()}
+    got = {name: tuple(rest) for name, *rest in (ln.split(" ") for ln in lines if ln)}
+    want = {name: (kernels, "-", TRITON_OP_MATMULS.get(name, "-")) for name, kernels in TRITON_OP_KERNELS.items()}
     for name in ("layer_norm_fwd", "layer_norm_bwd", "swiglu_packed_fwd", "swiglu_packed_bwd", "geglu_packed_fwd",
                  "geglu_packed_bwd"):  # registered as triton_ops; traced by the GPU test only (NOT_HERE)
-        want[name] = ("triton_op", "-")
+        want[name] = ("triton_op", "-", "-")
     assert got == want
 
 
