@@ -6,7 +6,7 @@ inline patterns in a forward (torch.fx), attention, RoPE and the top-level loss.
 examples/custom_rules/) go before the built-ins, so they win.
 """
 
-from kprof.rules import (attention, checkpointing, fx_inline, gated_mlp, layer_norm, linear_cross_entropy,
+from kprof.rules import (attention, checkpointing, cuda_graphs, fx_inline, gated_mlp, layer_norm, linear_cross_entropy,
                          linear_gelu, moe_fused, rms_norm, rope)
 from kprof.rules.engine import Match, ProfilePattern, Rule, find_matches, load_rules, select
 
@@ -27,10 +27,16 @@ RULES: list[Rule] = [
 # when they lower the peak). Last in precedence: a module another rule rewrites keeps that.
 MEMORY_RULES: list[Rule] = [checkpointing.RULE]
 
+# Rules that change how the whole step runs (CUDA graphs): installed only when named by id, as
+# `kprof apply` does when the plan's cuda_graphs diagnosis holds, never by "all" (it compiles the
+# whole model). Last in precedence: a root forward another rule rewrites (the fused linear +
+# cross-entropy) keeps that.
+STEP_RULES: list[Rule] = [cuda_graphs.RULE]
+
 
 def all_rules(rules_dir=None) -> list[Rule]:
     """User rules from `rules_dir` (if any), then the built-ins."""
     return (load_rules(rules_dir) if rules_dir else []) + RULES
 
 
-__all__ = ["MEMORY_RULES", "RULES", "Match", "ProfilePattern", "Rule", "all_rules", "find_matches", "load_rules", "select"]
+__all__ = ["MEMORY_RULES", "RULES", "STEP_RULES", "Match", "ProfilePattern", "Rule", "all_rules", "find_matches", "load_rules", "select"]

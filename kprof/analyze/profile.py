@@ -362,6 +362,7 @@ def build_summary(raw, a: dict | None) -> dict[str, Any]:
         "syncs": list(raw.syncs),
         "sync_steps": getattr(raw, "sync_steps", 0),  # steps the sync detector watched
         "routing": list(getattr(raw, "routing", None) or []),  # topk choices per module, shapes step
+        "root_input_shapes": list(getattr(raw, "root_input_shapes", None) or []),  # per distinct shape set
         "losses": list(raw.losses),
         "loss_dtype": getattr(raw, "loss_dtype", None),
         "module_classes": dict(raw.module_classes),

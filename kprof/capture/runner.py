@@ -167,6 +167,10 @@ class RawRun:
     memory_snapshot_path: str | None = None  # torch.cuda.memory._snapshot() pickled (CUDA runs)
     # topk choices per module in the shapes step (SyncDetector.routing_summary): MoE routing
     routing: list[dict] = field(default_factory=list)
+    # The outermost module's tensor inputs on the annotated steps (profiler warm-up, recorded,
+    # shapes step): [{"shapes": [[32, 256], ...], "calls": n}], one per distinct set of shapes.
+    # More than one: the step's shapes change (what a CUDA graph, replaying one shape, can't take).
+    root_input_shapes: list[dict] = field(default_factory=list)
     # torch.compile: Inductor's kernel call sites and Dynamo's graph-break/recompile log messages
     # (kprof/capture/compiled.py); empty when the script compiled nothing.
     inductor_kernels: list[dict] = field(default_factory=list)
@@ -461,6 +465,7 @@ class _Session:
         self.tls = threading.local()
         self.all_stacks: list[list] = []
         self.annotating = False
+        self.root_shapes: dict[tuple, int] = {}  # RawRun.root_input_shapes
         self.reindexed: dict[int, int] = {}
 
         # per-step data
@@ -720,6 +725,9 @@ class _Session:
             st = self._stack()
             if not st:
                 self._outermost_call(module)  # may raise _StopScript / _AbortRun
+                if self.annotating and module is self.primary_called:
+                    sig = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+                    self.root_shapes[sig] = self.root_shapes.get(sig, 0) + 1
                 if self.shapes_pending and threading.get_ident() == self.main_thread:
                     self._start_shapes_step()
                 st = self._stack()  # a boundary may have reset the stacks
@@ -1483,6 +1491,7 @@ class _Session:
             memory=self.memory,
             memory_snapshot_path=self.memory_snapshot_path,
             routing=self._routing(),
+            root_input_shapes=[{"shapes": [list(x) for x in sig], "calls": n} for sig, n in self.root_shapes.items()],
             inductor_kernels=list(self.compile_recorder.kernels),
             compile_events=list(self.compile_recorder.events),
         )

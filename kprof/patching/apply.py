@@ -260,18 +260,12 @@ def write_lines(ids: Sequence[str], strict: bool, checkpoint: Sequence[str] = ()
                     f"kprof_report = kprof.patch(model, rules={rules_txt}{opt}{opts})  # kprof_report.unpatch() undoes it\n")
 
 
-def _dynamo_graphs() -> int:
-    """Dynamo's process-wide count of compiled graphs (0 if Dynamo was never imported)."""
-    import sys
+def _script_graphs() -> int:
+    """Dynamo graphs compiled in this process, less those the cuda_graphs patch compiled: what
+    the script's own torch.compile did."""
+    from kprof.rules.cuda_graphs import dynamo_graphs, graphs_compiled
 
-    if "torch._dynamo" not in sys.modules:
-        return 0
-    try:
-        from torch._dynamo.utils import counters
-
-        return int(counters["stats"]["unique_graphs"])
-    except Exception:  # internals moved: taken as not compiled (the after run's loss watch still checks)
-        return 0
+    return dynamo_graphs() - graphs_compiled()
 
 
 class _Ablation:
@@ -295,7 +289,7 @@ class _Ablation:
         self.blocks = 0
         self.peaks: list[float | None] = []
         self.static: list[float] = []
-        self.dynamo0 = _dynamo_graphs()
+        self.dynamo0 = _script_graphs()
         self.cuda = False  # decided at the first timed step: per-step peak memory only on CUDA
         self.max_steps = budget if budget is not None else ab.steps_needed(len(self.ids))
 
@@ -319,19 +313,19 @@ class _Ablation:
         """At the first timed step: groups, schedule; True stops the run (nothing to ablate)."""
         import torch
 
-        if _dynamo_graphs() > self.dynamo0:
+        if _script_graphs() > self.dynamo0:
             self.declined = ("the script compiles its model (torch.compile ran before the timed steps); switching "
                              "patches inside a compiled model recompiles it at every switch, so the patches were not "
                              "timed in-process")
             return True
-        from kprof.rules import MEMORY_RULES, all_rules
+        from kprof.rules import MEMORY_RULES, STEP_RULES, all_rules
 
         linked = [ids for rep in self.reports for ids in rep.toggle_sets()]
         switchable = {r for ids in linked for r in ids}
         # Only what a switch moves is timed (an optimizer patch, say, is not a unit: not switched).
         live = [r for r in self._records() if r.status in ("verified", "installed") and r.rule in switchable]
         # A rule may declare the rules whose output it consumes (see kprof/patching/ablation.py).
-        pool = all_rules(self.rules_dir) + MEMORY_RULES
+        pool = all_rules(self.rules_dir) + MEMORY_RULES + STEP_RULES
         consumes = {r.id: tuple(getattr(r, "consumes", ()) or ()) for r in pool}
         wrapping = [r.id for r in pool if r.wraps]
         self.groups = ab.groups_of([(r.rule, r.path, r.module) for r in live], consumes, linked, wrapping)

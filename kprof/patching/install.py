@@ -180,7 +180,7 @@ class _Unit:
             self.record.note = note
         for sib in self.siblings:
             sib.status, sib.verification = "reverted", v
-        msg = (f"kprof patch {self.record.rule} at {self.record.path} failed verification"
+        msg = (f"kprof patch {self.record.rule} at {self.record.path or '<model>'} failed verification"
                f"{' (' + note + ')' if note else ''}: {v.summary()}")
         if self.strict:
             raise KprofError(msg + "; drop --strict to keep the original code for this module and go on",
@@ -412,13 +412,13 @@ class PatchReport:
 def resolve_rules(rules: str | Sequence[Any] | None = None, rules_dir: str | None = None):
     """`None`/"all" -> every speed rule (user rules first; memory rules only by id); ids and/or Rule objects -> those, in
     precedence order (Rule objects given directly go first)."""
-    from kprof.rules import MEMORY_RULES, all_rules
+    from kprof.rules import MEMORY_RULES, STEP_RULES, all_rules
     from kprof.rules.engine import Rule, select
 
     pool = all_rules(rules_dir)
     if rules is None or rules == "all":
         return pool
-    pool = pool + MEMORY_RULES  # named by id only (kprof/rules/__init__.py)
+    pool = pool + MEMORY_RULES + STEP_RULES  # named by id only (kprof/rules/__init__.py)
     if isinstance(rules, str):
         rules = [r.strip() for r in rules.split(",") if r.strip()]
     given = [r for r in rules if isinstance(r, Rule)]

@@ -299,12 +299,13 @@ def load_plan(run) -> dict:
 def apply_entries(plan: dict) -> list[dict]:
     """The plan's entries `kprof apply` can install: kernel suggestions, then the diagnoses it
     installs. A memory rule's diagnosis counts whatever the plan says: one saved before the rule
-    shipped marks it not applyable."""
-    from kprof.rules import MEMORY_RULES
+    shipped marks it not applyable. A step rule's (cuda_graphs) is listed even when the run blocks
+    it, not applyable, so `--patch cuda_graphs` says why."""
+    from kprof.rules import MEMORY_RULES, STEP_RULES
 
-    memory = {r.id for r in MEMORY_RULES}
-    diags = [d if d.get("applyable") else d | {"applyable": True}
-             for d in plan.get("diagnoses") or [] if d.get("applyable") or d.get("id") in memory]
+    memory, step = {r.id for r in MEMORY_RULES}, {r.id for r in STEP_RULES}
+    diags = [d if d.get("applyable") or d.get("id") not in memory else d | {"applyable": True}
+             for d in plan.get("diagnoses") or [] if d.get("applyable") or d.get("id") in memory | step]
     return (plan.get("suggestions") or []) + diags
 
 

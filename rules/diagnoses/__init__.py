@@ -39,7 +39,7 @@ DIAGNOSES: list[Diagnosis] = [
     fp32_matmul.DIAGNOSIS,
     unfused_optimizer.DIAGNOSIS,
     input_pipeline.DIAGNOSIS,
-    launch_bound.DIAGNOSIS,
+    *launch_bound.DIAGNOSES,
     manual_attention.DIAGNOSIS,
     matmul_shapes.DIAGNOSIS,
     *memory.DIAGNOSES,

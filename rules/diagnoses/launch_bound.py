@@ -27,6 +27,20 @@ Saving: that idle per step minus the data-wait idle (medians over steps): an upp
 Host syncs inside the step share that idle and break a graph (they must go first); graph
 replay's own gaps between kernels are not subtracted.
 
+The fix kprof installs (`cuda_graphs`, rules/cuda_graphs.py: the model's forward and backward
+under torch.compile(mode="reduce-overhead")): a second diagnosis of that id, beside every
+launch-bound finding, apply-able when nothing in the run blocks a graph (`graph_blockers`):
+- a CUDA run, and not compiled already (Triton kernels in the step, or Dynamo's record);
+- static shapes: the outermost module's tensor inputs had one shape over the recorded steps
+  (summary["root_input_shapes"], recorded by the runner on every annotated step);
+- no host sync inside the model's forward: a syncing op (`.item()`'s _local_scalar_dense,
+  nonzero, ...) among the forward-phase ops, or a recorded sync site in a `forward` (a graph
+  can't hold a sync: Dynamo breaks the graph there);
+- no random op in the forward (dropout): Inductor draws its own random numbers, so the compiled
+  forward can't be verified against eager's.
+When something blocks, the launch_bound finding's advice says what, and the cuda_graphs row is
+not apply-able (`kprof apply --patch cuda_graphs` then says why).
+
 CPU runs: no finding. Ops run synchronously on the host, there is no device to idle and CUDA
 graphs don't apply; an op's dispatch overhead is already part of its own time (the report's
 latency-bound class). Flagging "many tiny ops" there would flag every small model on a CPU: the
@@ -36,13 +50,16 @@ ops/step, 98% of them under the CPU's 20 us default latency threshold (median 1.
 
 from __future__ import annotations
 
+import ast
 import math
 
 import numpy as np
 import pandas as pd
 
-from kprof.analyze.modules import median_of
-from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, n_steps
+from kprof.analyze.modules import median_of, op_base
+from kprof.rules.cuda_graphs import ID as GRAPHS_ID
+from kprof.rules.cuda_graphs import RULE as GRAPHS_RULE
+from kprof.rules.diagnoses.base import Diagnosis, Finding, is_gpu_run, n_steps, parse_script
 from kprof.rules.diagnoses.unfused_optimizer import construction_line
 from kprof.rules.edits import no_diff
 
@@ -55,6 +72,70 @@ MIN_IDLE_SHARE = 0.10
 MIN_SHORT_SHARE = 0.5
 # "high" confidence: the GPU idles most of the step and nearly every kernel is short.
 HIGH_IDLE_SHARE, HIGH_SHORT_SHARE = 0.5, 0.8
+
+
+# Forward-phase ops (op_base names) that make the host wait (a graph can't hold them), and the
+# random ones whose compiled draws differ from eager's.
+SYNC_OPS = frozenset({"local_scalar_dense", "nonzero", "masked_select", "unique", "unique2", "unique_dim",
+                      "unique_consecutive", "repeat_interleave"})
+RANDOM_OPS = frozenset({"dropout", "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn",
+                        "randn_like", "randint", "randint_like", "randperm", "multinomial", "normal", "normal_",
+                        "uniform_", "exponential_"})
+
+
+def _forward_lines(file: str) -> list[tuple[int, int]]:
+    """(first, last) line of every `def forward` in `file` (ast; nothing is run)."""
+    parsed = parse_script(file)
+    if parsed is None:
+        return []
+    return [(n.lineno, n.end_lineno or n.lineno) for n in ast.walk(parsed[1])
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == "forward"]
+
+
+def forward_syncs(ops: pd.DataFrame, summary: dict) -> list[str]:
+    """Host syncs inside the model's forward: the syncing ops among the forward-phase ops, and
+    the recorded sync sites in a `forward` (its own function, or a line within one)."""
+    out = []
+    if ops is not None and len(ops) and {"phase", "op"} <= set(ops.columns):
+        fwd = op_base(ops.loc[ops["phase"] == "fwd", "op"])
+        out += sorted(set(fwd[fwd.isin(SYNC_OPS)]))
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for s in summary.get("syncs") or []:
+        if not int(s.get("count") or 0):
+            continue
+        file, line = str(s.get("file") or ""), int(s.get("line") or 0)
+        if file not in spans:
+            spans[file] = _forward_lines(file)
+        if s.get("function") == "forward" or any(a <= line <= b for a, b in spans[file]):
+            out.append(f"{file.rsplit('/', 1)[-1]}:{line} {s.get('kind')} (`{s.get('code') or ''}`)")
+    return out
+
+
+def graph_blockers(ops: pd.DataFrame, summary: dict, compiled: bool = False) -> list[str]:
+    """Why the cuda_graphs patch can't be installed on this run's step (module docstring); []
+    when nothing blocks it. `compiled`: the step ran Triton kernels (kernel_stats)."""
+    out = []
+    if not is_gpu_run(summary):
+        out.append("not a CUDA run: CUDA graphs record GPU kernels")
+    if compiled or summary.get("compile"):
+        out.append('the model is already compiled: set mode="reduce-overhead" on its torch.compile instead')
+    shapes = summary.get("root_input_shapes")
+    if shapes is None:
+        out.append("the run has no record of the model's input shapes (profiled by an older kprof): profile again")
+    elif len(shapes) > 1:
+        seen = "; ".join(str(r.get("shapes")) for r in shapes[:3])
+        out.append(f"the model's input shapes vary over the recorded steps ({len(shapes)} different: {seen}): a "
+                   "graph replays one shape, each new one is compiled and recorded again; pad to fixed shapes")
+    syncs = forward_syncs(ops, summary)
+    if syncs:
+        out.append(f"host syncs inside the model's forward ({', '.join(syncs[:3])}): a graph can't hold them")
+    if ops is not None and len(ops) and {"phase", "op"} <= set(ops.columns):
+        rnd = op_base(ops.loc[ops["phase"] == "fwd", "op"])
+        rnd = sorted(set(rnd[rnd.isin(RANDOM_OPS)]))
+        if rnd:
+            out.append(f"random ops in the forward ({', '.join(rnd)}): the compiled forward draws other random "
+                       "numbers than eager, so it can't be verified against it")
+    return out
 
 
 def kernel_stats(ops: pd.DataFrame, summary: dict, latency_us: float) -> dict | None:
@@ -133,6 +214,11 @@ def find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
     if site:
         path, line = site[0].rsplit(":", 1)
         how = f"{path.rsplit('/', 1)[-1]}:{line} (the model, `{site[1]}`): {how}"
+    blockers = graph_blockers(ops, summary, ks["compiled"])
+    if blockers:
+        how += f"; kprof apply can't install it ({GRAPHS_ID}): {'; '.join(blockers)}"
+    else:
+        how += f"; kprof apply --patch {GRAPHS_ID} installs it on this run, verified"
     note = (f"upper bound: GPU idle per step ({basis}) minus the idle waiting for data (medians); a CUDA graph "
             "replays the step's launches in one call, so at most this is recovered (graph replay's own gaps not subtracted)")
     if syncs:
@@ -157,10 +243,33 @@ def find(ops: pd.DataFrame, summary: dict) -> list[Finding]:
         cls="launch-bound",
         confidence=conf,
         details=[{"idle ms/step": idle_us / 1e3, "step ms": window_us / 1e3, "idle basis": basis,
-                  "data wait ms/step": wait_us / 1e3, "latency us": lat, "host syncs": syncs} | ks],
+                  "data wait ms/step": wait_us / 1e3, "latency us": lat, "host syncs": syncs,
+                  "cuda_graphs blockers": blockers} | ks],
         diff=no_diff("which region to capture (the model, the loss, the whole step) and whether it is free of "
                      "host syncs and shape changes depend on the script: no exact textual change is derived"),
     )]
 
 
 DIAGNOSIS = Diagnosis(id="launch_bound", title="launch-bound step (GPU idle between short kernels)", find=find)
+
+
+def find_graphs(ops: pd.DataFrame, summary: dict) -> list[Finding]:
+    """The installable fix beside each launch-bound finding: apply-able when nothing blocks it."""
+    out = []
+    for f in find(ops, summary):
+        blockers = f.details[0]["cuda_graphs blockers"]
+        if blockers:
+            how = f"not installable: {'; '.join(blockers)}"
+        else:
+            how = f"kprof apply --patch {GRAPHS_ID} (this run, verified at the first call before any capture)"
+        out.append(Finding(
+            where=f.where, evidence=f.evidence, change=f"{GRAPHS_ID}: {GRAPHS_RULE.change}", how=how,
+            ms_per_step=f.ms_per_step, saving_ms=f.saving_ms, saving_note=f.saving_note, source=f.source,
+            paths=list(f.paths), cls=f.cls, confidence=f.confidence, details=f.details,
+            diff=no_diff("an installed patch on the live model (kprof apply / kprof.patch), no source change"),
+            applyable=not blockers,
+        ))
+    return out
+
+GRAPHS = Diagnosis(id=GRAPHS_ID, title="CUDA graphs for the launch-bound step (installable)", find=find_graphs)
+DIAGNOSES = [DIAGNOSIS, GRAPHS]
