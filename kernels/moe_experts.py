@@ -6,19 +6,21 @@ expert's row count on the host (a sync per layer); `torch._grouped_mm` takes the
 device tensor of offsets (`offs`, int32 inclusive ends, what `moe_router` returns) and runs all
 experts in one launch. The gated activation runs between the two GEMMs as kprof's packed SwiGLU
 (`glu.swiglu_packed`: reads the [N, 2I] gate|up once, writes [N, I]); it is not fused into the
-GEMM's epilogue, which `_grouped_mm` does not expose.
+GEMM's epilogue, which `_grouped_mm` does not expose (the Triton fallback below does fuse it).
 
 `_grouped_mm` (torch 2.13 CPU, probed): float32 and bfloat16, forward and backward (the gradient
 must be contiguous: an expanded one fails), int32 `offs` only (int64 raises), every stride a
 multiple of 16 bytes (H, I multiples of 8 in bf16, of 4 in fp32), and rows past offs[-1] are left
 uninitialised. Where a call is refused (another dtype or alignment, an older torch, a GPU
-without support) `moe_experts` runs `moe_experts_reference`, a loop over experts that reads the
-offsets on the host, with a one-line warning. A Triton grouped GEMM (the issue's fallback) is
-not written yet.
+without support) `moe_experts` runs the Triton grouped GEMM (`moe_grouped_gemm`: both GEMMs and
+the SwiGLU fused into the first one's epilogue, no host sync either) on CUDA tensors or under the
+interpreter, and only where Triton cannot run either (CPU tensors without TRITON_INTERPRET) the
+per-expert loop `moe_experts_reference`, which reads the offsets on the host, with a one-line
+warning. `grouped_mm_backend` says which of the three runs.
 
 Weights: w_gate_up [E, H, 2I] (gate in the first I columns, up in the second: the layout of
-`swiglu_packed`), w_down [E, I, H]; any strides `_grouped_mm` accepts (e.g. transposed views of
-HF's stacked [E, 2I, H] / [E, H, I] parameters).
+`swiglu_packed`), w_down [E, I, H]; any strides (e.g. transposed views of HF's stacked
+[E, 2I, H] / [E, H, I] parameters): those `_grouped_mm` refuses go to the Triton path.
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ import warnings
 
 import torch
 
-from kprof.errors import KprofError
-from kprof.kernels.glu import swiglu_packed, swiglu_packed_reference
+from kprof.kernels.common import use_triton
+from kprof.kernels.glu import swiglu_packed
+from kprof.kernels.moe_grouped_gemm import SUPPORTED_DTYPES, check_experts_args, moe_grouped_gemm
+from kprof.kernels.moe_grouped_gemm import moe_grouped_gemm_reference as moe_experts_reference
 from kprof.kernels.registry import Cost, KernelSpec, register
-
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _aligned(*ts: torch.Tensor) -> bool:
@@ -63,23 +65,20 @@ def _probe_grouped_mm(device_type: str, dtype: torch.dtype) -> None:
     y.backward(torch.ones_like(y))
 
 
+def _grouped_mm_refused(x: torch.Tensor, *weights: torch.Tensor) -> str | None:
+    """None if torch._grouped_mm runs on these tensors, else why not."""
+    why = _grouped_mm_works(x.device.type, x.dtype)
+    if why is None and not _aligned(x, *weights):
+        why = "strides not multiples of 16 bytes (H and I must be multiples of 16 / element size)"
+    return why
+
+
 def grouped_mm_backend(x: torch.Tensor, *weights: torch.Tensor) -> str:
-    """"grouped_mm" when `moe_experts` can run torch._grouped_mm on these tensors, else "reference"."""
-    if _grouped_mm_works(x.device.type, x.dtype) is not None:
-        return "reference"
-    return "grouped_mm" if _aligned(x, *weights) else "reference"
-
-
-def _check(x, offsets, w_gate_up, w_down) -> None:
-    if x.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3 or offsets.dim() != 1:
-        raise KprofError(f"moe_experts: x [N, H], offsets [E], w_gate_up [E, H, 2I], w_down [E, I, H] expected; got "
-                         f"{tuple(x.shape)}, {tuple(offsets.shape)}, {tuple(w_gate_up.shape)}, {tuple(w_down.shape)}")
-    e, h, i2 = w_gate_up.shape
-    if x.shape[1] != h or w_down.shape != (e, i2 // 2, h) or i2 % 2 or offsets.numel() != e:
-        raise KprofError(f"moe_experts: shapes disagree: x {tuple(x.shape)}, offsets {tuple(offsets.shape)}, "
-                         f"w_gate_up {tuple(w_gate_up.shape)}, w_down {tuple(w_down.shape)}")
-    if x.dtype not in SUPPORTED_DTYPES or w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
-        raise KprofError(f"moe_experts: x and weights must share a dtype of {SUPPORTED_DTYPES}")
+    """Which backend `moe_experts` runs on these tensors: "grouped_mm" (torch._grouped_mm),
+    "triton" (the Triton grouped GEMM) or "reference" (the per-expert loop)."""
+    if _grouped_mm_refused(x, *weights) is None:
+        return "grouped_mm"
+    return "triton" if use_triton(x) else "reference"
 
 
 _warned: set[str] = set()
@@ -88,36 +87,22 @@ _warned: set[str] = set()
 def moe_experts(x: torch.Tensor, offsets: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """[N, H] expert outputs for rows `x` [N, H] in expert-contiguous order (expert e owns rows
     [offsets[e-1], offsets[e])), N = offsets[-1]. Differentiable in x and both weights; no host
-    sync on the `_grouped_mm` path."""
-    _check(x, offsets, w_gate_up, w_down)
-    why = _grouped_mm_works(x.device.type, x.dtype)
-    if why is None and not _aligned(x, w_gate_up, w_down):
-        why = "strides not multiples of 16 bytes (H and I must be multiples of 16 / element size)"
+    sync except on the per-expert loop (see the module docstring)."""
+    check_experts_args(x, offsets, w_gate_up, w_down)
+    why = _grouped_mm_refused(x, w_gate_up, w_down)
     if why is not None:
+        if use_triton(x):
+            return moe_grouped_gemm(x, offsets, w_gate_up, w_down)
         if why not in _warned:
             _warned.add(why)
-            warnings.warn(f"kprof.kernels.moe_experts: torch._grouped_mm unavailable ({why}); using the per-expert loop",
-                          stacklevel=2)
+            warnings.warn(f"kprof.kernels.moe_experts: torch._grouped_mm unavailable ({why}) and no Triton backend "
+                          f"for {x.device.type} tensors; using the per-expert loop", stacklevel=2)
         return moe_experts_reference(x, offsets, w_gate_up, w_down)
     if x.shape[0] == 0:
         return moe_experts_reference(x, offsets, w_gate_up, w_down)  # no rows: nothing to launch
     offs = offsets.to(torch.int32)
-    h =  torch._grouped_mm(x, w_gate_up, offs=offs)  # [N, 2I]
+    h = torch._grouped_mm(x, w_gate_up, offs=offs)  # [N, 2I]
     return torch._grouped_mm(swiglu_packed(h), w_down, offs=offs)
-
-
-def moe_experts_reference(x: torch.Tensor, offsets: torch.Tensor, w_gate_up: torch.Tensor,
-                          w_down: torch.Tensor, act=swiglu_packed_reference) -> torch.Tensor:
-    """A loop over experts (reads the offsets on the host: a sync, as eager HF code has). `act`:
-    the gated activation on [rows, 2I] (tests pass `swiglu_packed` to round where the kernel path
-    rounds)."""
-    ends = offsets.tolist()
-    outs, start = [], 0
-    for e, end in enumerate(ends):
-        rows = x[start:end]
-        outs.append(act(rows @ w_gate_up[e]) @ w_down[e])
-        start = end
-    return torch.cat(outs) if outs else x.new_empty(0, w_down.shape[2])
 
 
 def _cost(n_rows: int, hidden: int, inter: int, n_experts: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, Cost]:
@@ -134,8 +119,10 @@ MOE_EXPERTS_SPEC = register(KernelSpec(
     replaces="a loop over experts of down(act(gate(x)) * up(x)) on each expert's rows",
     dtypes=SUPPORTED_DTYPES,
     limits="torch._grouped_mm where it runs (probed per device and dtype; strides 16-byte aligned), else the "
-           "per-expert loop with a warning; no Triton grouped GEMM yet",
+           "Triton grouped GEMM (moe_grouped_gemm) on CUDA or under the interpreter, else the per-expert loop "
+           "with a warning",
     deterministic=False,  # _grouped_mm's weight-grad reduction order is not documented or tested here
+    # (the Triton path alone is deterministic: MOE_GROUPED_GEMM_SPEC)
     fn=moe_experts, module=None, reference=moe_experts_reference, cost=_cost,
 ))
 
