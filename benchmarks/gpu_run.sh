@@ -2,7 +2,8 @@
 # One full GPU session on the lent H200, in as few calls as possible (the device budget is 30 min):
 #   bash benchmarks/gpu_run.sh [stages]      stages: comma list of env,tests,gputests,bench,calibrate,profile,suggest,apply,step,
 #                                            compare_llama,compare_gpt, diagnose (host vs GPU time per kernel; DIAG_ONLY=rms_norm,...),
-#                                            sweep (CE/LCE configs), normsweep (norm launch configs), glusweep (bias+GELU configs)
+#                                            sweep (CE/LCE configs), normsweep (norm launch configs), glusweep (bias+GELU configs),
+#                                            cudagraphs (issue 19 item 3: the cuda_graphs patch on the small MLP)
 # Reproduces the files indexed in benchmarks/results/README.md: env -> env-h200-*.txt; tests ->
 # pytest-h200-*-full.log.gz and *-gpu_large.log; bench -> bench-h200-*.log and rows of kernels.csv
 # (the kernel table of the top README); step -> llama-step-h200-*.log and rows of llama_step.csv
@@ -155,6 +156,19 @@ if has memfix; then
   # Issue 28: kprof's checkpointing pick against every layer on the 1B Llama; largest batch on GPT-2 small.
   timeout ${MEMFIX_TIMEOUT:-420} python3 benchmarks/bench_memory_fixes.py --out "$OUT/memfix" ${MEMFIX_ARGS:-} \
     >"$OUT/memfix.log" 2>&1; tail -30 "$OUT/memfix.log"; pack
+fi
+if has cudagraphs; then
+  # Issue 19 item 3: the cuda_graphs patch on the small fp32 MLP (benchmarks/workloads/mlp_cuda_graphs.py):
+  # the step time eager / kprof's patch / torch.compile (target >= 2x eager), then kprof's own path end
+  # to end: profile, suggest (the launch_bound and cuda_graphs rows), apply --patch cuda_graphs.
+  timeout ${CG_BENCH_TIMEOUT:-240} python3 benchmarks/bench_cuda_graphs.py --out "$OUT/cuda_graphs.csv" \
+    >"$OUT/cudagraphs-bench.log" 2>&1; tail -6 "$OUT/cudagraphs-bench.log"
+  timeout 120 kprof profile benchmarks/workloads/mlp_cuda_graphs.py --out "$OUT/cudagraphs/runs" \
+    >"$OUT/cudagraphs-profile.log" 2>&1; tail -25 "$OUT/cudagraphs-profile.log"
+  timeout 60 kprof suggest --out "$OUT/cudagraphs/runs" >"$OUT/cudagraphs-suggest.log" 2>&1; tail -30 "$OUT/cudagraphs-suggest.log"
+  timeout ${CG_APPLY_TIMEOUT:-300} kprof apply benchmarks/workloads/mlp_cuda_graphs.py --patch cuda_graphs \
+    --out "$OUT/cudagraphs/runs" --json >"$OUT/cudagraphs-apply.json" 2>"$OUT/cudagraphs-apply.err"; echo "apply exit $?"
+  tail -5 "$OUT/cudagraphs-apply.err"; pack
 fi
 if has ncu; then
   timeout ${NCU_TIMEOUT:-300} python3 benchmarks/ncu_agreement.py --out "$OUT/ncu" ${NCU_ARGS:-} \

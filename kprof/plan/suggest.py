@@ -313,7 +313,7 @@ def parse_ids(spec: str, plan: dict, memory: bool = False) -> list[str]:
     """'all' -> every apply-able suggestion of the plan (kernel suggestions, then the diagnoses
     apply installs, e.g. unfused_optimizer; the memory rules, which cost time, only with
     `memory`: `--prefer memory`); 'a,b' -> those, checked against the plan."""
-    from kprof.rules import MEMORY_RULES
+    from kprof.rules import MEMORY_RULES, STEP_RULES
 
     sugg = apply_entries(plan)
     if not sugg:
@@ -332,7 +332,10 @@ def parse_ids(spec: str, plan: dict, memory: bool = False) -> list[str]:
     known = {s["id"]: s for s in sugg}
     unknown = [i for i in ids if i not in known]
     if unknown:
-        raise KprofError(f"--patch: {', '.join(unknown)} not in the plan of run {plan.get('run')}; "
+        step = [i for i in unknown if i in {r.id for r in STEP_RULES}]
+        why = (f" ({', '.join(step)} is planned beside a launch_bound finding, a GPU run whose step idles between "
+               "short kernels, and this run has none)" if step else "")
+        raise KprofError(f"--patch: {', '.join(unknown)} not in the plan of run {plan.get('run')}{why}; "
                          f"its suggestions are: {', '.join(known)}")
     manual = [i for i in ids if not known[i].get("applyable")]
     if manual:

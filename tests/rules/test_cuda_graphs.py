@@ -99,6 +99,11 @@ def test_cpu_run_is_blocked():
     # launch_bound itself finds nothing on a CPU run; the blocker list still says why
     assert launch_bound.graph_blockers(_ops(), _summary(device={"type": "cpu"})) == [
         "not a CUDA run: CUDA graphs record GPU kernels"]
+    assert launch_bound.find_graphs(_ops(), _summary(device={"type": "cpu"})) == []
+    plan = {"run": "r", "diagnoses": [{"id": "unfused_optimizer", "applyable": True}]}
+    with pytest.raises(KprofError, match=r"cuda_graphs not in the plan of run r \(cuda_graphs is planned beside a "
+                                         r"launch_bound finding, a GPU run"):
+        parse_ids("cuda_graphs", plan)
 
 
 def test_dynamic_shapes_are_blocked():
@@ -258,3 +263,19 @@ def test_mlp_graphs_verified_and_replayed(monkeypatch):
     assert replays  # forward and backward replayed from recorded graphs
     torch.testing.assert_close(torch.tensor(losses["graphs"]), torch.tensor(losses["eager"]), rtol=1e-4, atol=1e-6)
     report.unpatch()
+
+
+def test_runner_records_the_models_input_shapes(tmp_path):
+    from kprof.analyze.profile import profile_script
+
+    script = tmp_path / "varying.py"
+    script.write_text(
+        "import torch\ntorch.manual_seed(0)\nm = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())\n"
+        "loss_fn = torch.nn.MSELoss()  # an outermost module too: its inputs are not the model's\n"
+        "opt = torch.optim.SGD(m.parameters(), lr=0.1)\nfor i in range(20):\n"
+        "    x = torch.randn(4 + i % 3, 8)\n    loss_fn(m(x), torch.zeros(4 + i % 3, 8)).backward()\n"
+        "    opt.step()\n    opt.zero_grad()\n")
+    run = profile_script(str(script), [], warmup=1, steps=2, out_root=tmp_path / "runs")
+    shapes = sorted(r["shapes"][0][0] for r in run.summary["root_input_shapes"])
+    assert shapes == [4, 5, 6]
+    assert any("input shapes vary" in b for b in launch_bound.graph_blockers(run.ops, run.summary))
