@@ -41,7 +41,11 @@ copy of the logits would cost their memory again).
 In the ablation it is one group of its own (`wraps`: the model's own forward runs inside it, so
 kprof's other patches on its children still run and are switched apart). Switching one of those
 changes what the compiled forward calls: Dynamo compiles and records that configuration once (the
-ablation's warm block runs each configuration once), then replays it.
+ablation's warm block runs each configuration once), then replays it. The runner keeps its global
+module hooks through the timed steps of a run in which Dynamo compiled anything (removing them
+would recompile: kprof/capture/runner.py `_set_quiet`), this patch's compile included, so the
+ablation's eager configurations pay that hook cost per module call and its measured saving is
+high by that much; the after run, timed in its own process against the plan's run, is not.
 """
 
 from __future__ import annotations

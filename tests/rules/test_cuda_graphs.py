@@ -47,6 +47,21 @@ def test_live_model_declined_with_the_reason():
     assert "no parameters" in cg.plan(nn.ReLU(), cuda_only=False)
 
 
+def test_kprof_patch_without_rules_installs_what_apply_kept(monkeypatch, tmp_path):
+    import sys
+
+    from kprof import store
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    monkeypatch.setattr(sys, "argv", [str(script)])
+    monkeypatch.setattr(store, "latest_kept", lambda s: ("20261202-mlp", ["cuda_graphs"]))
+    report = kprof_patch(_mlp())
+    assert "kprof apply kept (20261202-mlp): cuda_graphs" in report.notes[0]
+    # resolved and tried on this model: a CPU model is declined, with the reason
+    assert [(r.rule, r.status) for r in report.declined] == [("cuda_graphs", "declined")]
+
+
 def test_rule_is_named_by_id_only():
     from kprof.patching.install import resolve_rules
 
