@@ -1,8 +1,9 @@
 """Inputs and the reference comparison shared by the MoE experts tests (test_moe_experts.py for
 the `_grouped_mm` path, test_moe_grouped_gemm.py for the Triton grouped GEMM).
 
-fp32 is compared with the per-expert loop in fp64. 16-bit is compared with the loop in the same
-dtype using the same activation (`glu.swiglu_packed`, fp32 inside, rounded once): measured on the
+fp32 is compared with the per-expert loop in fp64. test_moe_grouped_gemm.py compares 16-bit with
+the loop in fp64 too (see there for the criterion); test_moe_experts.py compares the
+`_grouped_mm` path's 16-bit results with the loop in the same dtype using the same activation (`glu.swiglu_packed`, fp32 inside, rounded once): measured on the
 CPU, the loop with eager `silu(g) * u` (which rounds twice) differs from both grouped paths by up
 to 0.16 at |d w_gate_up| ~ 26 (one bf16 ulp there, and as far from fp64 as the grouped paths),
 while with the same activation the grouped GEMM and the loop agree exactly; so the check isolates
@@ -42,10 +43,10 @@ def run(fn, x, offs, wgu, wd, dy):
     return y, grads
 
 
-def reference(x, offs, wgu, wd, dy):
-    """The loop's (y, grads): in fp64 for fp32 inputs, else in the inputs' dtype with the
-    kernels' activation (see the module docstring)."""
-    if x.dtype == torch.float32:
+def reference(x, offs, wgu, wd, dy, in_fp64=True):
+    """The loop's (y, grads): in fp64 (in_fp64, or fp32 inputs), else in the inputs' dtype with
+    the kernels' activation (see the module docstring)."""
+    if in_fp64 or x.dtype == torch.float32:
         return run(moe_grouped_gemm_reference, x.double(), offs, wgu.double(), wd.double(), dy.double())
 
     def ref(*a):
@@ -54,26 +55,29 @@ def reference(x, offs, wgu, wd, dy):
     return run(ref, x, offs, wgu, wd, dy)
 
 
-def assert_per_expert_fro(actual, expected, msg=""):
-    """||actual[e] - expected[e]||_F <= rtol * ||expected[e]||_F for every expert e, rtol from the
-    dtype's tolerance entry. For weight grads over many rows: each element is a sum over the
-    expert's rows whose partial sums are much larger than the result, so elementwise atol/rtol
-    flags cancellations that are within the summation's rounding."""
+def assert_per_expert_fro(actual, expected, parts, msg=""):
+    """||actual[p] - expected[p]||_F <= rtol * ||expected[p]||_F for each part p (an expert's
+    weight grad, or an expert's rows of dx), rtol from actual's dtype entry."""
     rtol = tol(actual.dtype).rtol
-    for e, (a, b) in enumerate(zip(actual.double(), expected.double())):
+    for e, p in enumerate(parts):
+        a, b = actual[p].double(), expected[p].double()
         err, ref = (a - b).norm().item(), b.norm().item()
         assert err <= rtol * ref, f"{msg} expert {e}: |diff|_F {err:.3g} > {rtol} * |ref|_F {ref:.3g}"
 
 
-def check_matches_reference(fn, counts, h, i, dtype, device, weight_grads_fro=False):
-    """fn's forward and its grads of x, w_gate_up, w_down against `reference`, elementwise with
-    the dtype's tolerance (the weight grads per expert in Frobenius norm if weight_grads_fro)."""
+def check_matches_reference(fn, counts, h, i, dtype, device, ref_in_fp64=True, grads_fro=False):
+    """fn's forward and its grads of x, w_gate_up, w_down against `reference`: y elementwise with
+    the dtype's tolerance; the grads elementwise too, or with grads_fro per expert in relative
+    Frobenius norm (dx over the expert's rows, the weight grads over the expert's slice), for
+    grads that are sums over 16-bit intermediates (see test_moe_grouped_gemm.py)."""
     args = inputs(counts, h, i, dtype, device)
     y, grads = run(fn, *args)
-    yr, grads_r = reference(*args)
+    yr, grads_r = reference(*args, in_fp64=ref_in_fp64)
     assert_close(y, yr, msg="y")
+    ends = torch.tensor(counts or (0, 0, 0)).cumsum(0).tolist()
+    row_parts = [slice(s, e) for s, e in zip([0, *ends[:-1]], ends)]
     for name, a, b in zip(GRAD_NAMES, grads, grads_r):
-        if weight_grads_fro and name != "x":
-            assert_per_expert_fro(a, b, msg=f"d {name}")
+        if grads_fro:
+            assert_per_expert_fro(a, b, row_parts if name == "x" else range(len(ends)), msg=f"d {name}")
         else:
             assert_close(a, b, msg=f"d {name}")

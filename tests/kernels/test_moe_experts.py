@@ -3,8 +3,8 @@ over experts, forward and the grads of x, w_gate_up and w_down, fp32 and bf16, w
 and all rows on one expert; the backend choice where _grouped_mm refuses the strides (the Triton
 grouped GEMM, or the loop with one warning where Triton cannot run either).
 
-The reference comparison (fp32 against fp64, bf16 against the loop with the same activation) is
-`moe_helpers.check_matches_reference`, shared with test_moe_grouped_gemm.py.
+The reference comparison (fp32 against fp64, bf16 against the loop in bf16 with the same
+activation) is `moe_helpers.check_matches_reference`, shared with test_moe_grouped_gemm.py.
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ CASES = [
 def test_matches_reference(counts, h, i, dtype, device):
     x, _, wgu, wd, _ = inputs(counts, h, i, dtype, device)
     assert X.grouped_mm_backend(x, wgu, wd) == "grouped_mm"
-    check_matches_reference(X.moe_experts, counts, h, i, dtype, device, weight_grads_fro=max(counts or (0,)) > 64)
+    # At the GPU shape the grads are sums over 512 rows: per expert in Frobenius norm (see
+    # test_moe_grouped_gemm.py); the CPU shapes agree elementwise (the same GEMMs and activation).
+    check_matches_reference(X.moe_experts, counts, h, i, dtype, device, ref_in_fp64=False,
+                            grads_fro=max(counts or (0,)) > 64)
 
 
 def test_misaligned_runs_the_triton_grouped_gemm(device):
