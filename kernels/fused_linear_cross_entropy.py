@@ -311,7 +311,9 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             need_gh, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
             need_gb = ctx.has_bias and ctx.needs_input_grad[2]
             bwd = torch.ops.kprof.linear_cross_entropy_bwd if via_custom_op() else _lce_bwd
-            gh, gw, gb = bwd(hidden, weight, bias, target, grad_output, *ctx.opts, need_gh, need_gw, need_gb, *ctx.chunk)
+            gh, gw, gb = bwd(
+                hidden, weight, bias, target, grad_output, *ctx.opts, need_gh, need_gw, need_gb, *ctx.chunk
+            )
         else:
             # Grads were computed in the forward; scale them in place by grad_output (a no-op on
             # the device when it is 1). The buffers are private; a second backward raises.

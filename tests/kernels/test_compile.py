@@ -6,9 +6,10 @@ Three levels:
   bodies call the `kprof::*` ops (not the reference, not a traced-through launcher), and the
   compiled call gives the eager call's outputs and gradients bit for bit (the same kernels run).
 - CPU, in a subprocess without the interpreter (kernels are JITFunctions, as on a GPU; the
-  tensors are fake CUDA tensors): each op is a `torch.library.triton_op` whose body AOTAutograd
-  decomposes into `triton_kernel_wrapper_functional` nodes naming kprof's own Triton kernels,
-  which is what lets Inductor launch them from its generated code. Nothing runs there.
+  tensors are fake CUDA tensors, meta ones for linear+CE): each op is a `torch.library.triton_op`
+  whose body AOTAutograd decomposes into `triton_kernel_wrapper_functional` nodes naming kprof's
+  own Triton kernels, which is what lets Inductor launch them from its generated code (linear+CE's
+  matmuls stay aten nodes beside them). Nothing runs there.
 - GPU (marked): the inductor backend, fullgraph=True, outputs and gradients within the dtype's
   tolerance of eager, and the generated code launches the kernels with no call back into a
   `kprof::` op.
@@ -43,9 +44,13 @@ def _targets(n, vocab, device):
     return t.to(device)
 
 
+def _ce_inputs(device, dtype):
+    return [_t(6, 37, device=device, dtype=dtype)], [_targets(6, 37, device)]
+
+
 def _lce_inputs(device, dtype):
-    h, w, b = _t(6, 16, device=device, dtype=dtype), _t(37, 16, device=device, dtype=dtype, seed=1), _t(37, device=device, dtype=dtype, seed=2)
-    return [h, w / 4, b], [_targets(6, 37, device)]
+    h, w = _t(6, 16, device=device, dtype=dtype), _t(37, 16, device=device, dtype=dtype, seed=1)
+    return [h, w / 4, _t(37, device=device, dtype=dtype, seed=2)], [_targets(6, 37, device)]
 
 
 # name -> (make(device, dtype) -> (differentiable inputs, constant inputs), call, fwd ops, bwd ops).
@@ -111,17 +116,17 @@ CASES = {
     # The losses' grad_output is not 1 here (`_run` takes sin of the loss), so the backward's
     # scaling kernel does work.
     "cross_entropy": (
-        lambda d, dt: ([_t(6, 37, device=d, dtype=dt)], [_targets(6, 37, d)]),
+        _ce_inputs,
         lambda z, t: cross_entropy.cross_entropy(z, t, label_smoothing=0.1, z_loss=1e-3),
         {"cross_entropy_fwd"}, {"cross_entropy_bwd"},
     ),
     "cross_entropy_softcap_none": (
-        lambda d, dt: ([_t(6, 37, device=d, dtype=dt)], [_targets(6, 37, d)]),
+        _ce_inputs,
         lambda z, t: cross_entropy.cross_entropy(z, t, reduction="none", softcap=2.0),
         {"cross_entropy_fwd"}, {"cross_entropy_bwd"},
     ),
     "cross_entropy_inplace": (
-        lambda d, dt: ([_t(6, 37, device=d, dtype=dt)], [_targets(6, 37, d)]),
+        _ce_inputs,
         # logits * 1: the gradient overwrites a non-leaf, as it would a model's logits
         lambda z, t: cross_entropy.cross_entropy(z * 1.0, t, reduction="sum", inplace_grad=True),
         {"cross_entropy_fwd_inplace"}, {"cross_entropy_bwd"},
