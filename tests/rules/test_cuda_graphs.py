@@ -5,6 +5,7 @@ capture, a wrong compile caught and reverted, its own group in the ablation. No 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -294,3 +295,41 @@ def test_runner_records_the_models_input_shapes(tmp_path):
     shapes = sorted(r["shapes"][0][0] for r in run.summary["root_input_shapes"])
     assert shapes == [4, 5, 6]
     assert any("input shapes vary" in b for b in launch_bound.graph_blockers(run.ops, run.summary))
+
+
+@pytest.mark.slow  # three runs of the script, Inductor compiling in two (~1-2 min on 2 cores)
+def test_apply_end_to_end_on_cpu(tmp_path, monkeypatch):
+    """`kprof apply --patch cuda_graphs` through the ablation, the after run and the loss watch,
+    with the rule allowed on a CPU (reduce-overhead compiles there; nothing is timed here)."""
+    import json
+
+    import kprof.rules
+    from kprof import store
+    from kprof.analyze.profile import profile_script
+    from kprof.patching.apply import apply
+    from kprof.plan.suggest import plan_for
+
+    monkeypatch.setattr(kprof.rules, "STEP_RULES", [cg.cuda_graphs_rule(cuda_only=False)])
+    script = tmp_path / "mlp.py"
+    script.write_text(
+        "import torch\ntorch.manual_seed(0)\n"
+        "m = torch.nn.Sequential(*[x for _ in range(3) for x in (torch.nn.Linear(16, 16), torch.nn.ReLU())])\n"
+        "opt = torch.optim.Adam(m.parameters(), lr=1e-3)\nx, y = torch.randn(4, 16), torch.randn(4, 16)\n"
+        "for _ in range(80):\n    torch.nn.functional.mse_loss(m(x), y).backward()\n    opt.step()\n"
+        "    opt.zero_grad()\n")
+    root = tmp_path / "runs"
+    before = profile_script(str(script), [], warmup=1, steps=2, out_root=root)
+    plan = plan_for(before)  # a CPU run: no launch_bound finding, so the row is added as a GPU run's would be
+    plan["diagnoses"].append({"id": "cuda_graphs", "applyable": True, "where": "whole step", "paths": [],
+                              "saving ms/step": None, "how": "kprof apply --patch cuda_graphs"})
+    (Path(before.path) / store.PLAN).write_text(json.dumps(plan))
+    res = apply(str(script), patch="cuda_graphs", out_root=root, steps=14)
+    assert res.declined is None  # the patch's own compile is not the script compiling its model
+    assert res.ablation is not None and res.ablation.groups == [("cuda_graphs",)]
+    recs = res.to_dict()["records"]["ablation"]
+    assert [(r["rule"], r["status"]) for r in recs] == [("cuda_graphs", "verified")]
+    (row,) = res.suggestions.to_dict("records")
+    assert row["verified"] and row["verdict"] in ("kept", "dropped", "undecided")
+    if res.kept:  # whatever the CPU timing decided: the kept set ran verified and its losses were watched
+        assert [(r.rule, r.status) for rep in res.reports for r in rep.records] == [("cuda_graphs", "verified")]
+        assert res.watch is not None and not res.watch["diverged"]
