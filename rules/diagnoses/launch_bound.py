@@ -76,11 +76,20 @@ HIGH_IDLE_SHARE, HIGH_SHORT_SHARE = 0.5, 0.8
 
 # Forward-phase ops (op_base names) that make the host wait (a graph can't hold them), and the
 # random ones whose compiled draws differ from eager's.
+# (repeat_interleave syncs only without output_size=: the recorded sync sites tell.)
 SYNC_OPS = frozenset({"local_scalar_dense", "nonzero", "masked_select", "unique", "unique2", "unique_dim",
-                      "unique_consecutive", "repeat_interleave"})
-RANDOM_OPS = frozenset({"dropout", "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn",
-                        "randn_like", "randint", "randint_like", "randperm", "multinomial", "normal", "normal_",
-                        "uniform_", "exponential_"})
+                      "unique_consecutive"})
+RANDOM_OPS = frozenset({"dropout", "native_dropout", "fused_dropout", "bernoulli", "bernoulli_", "rand", "rand_like",
+                        "randn", "randn_like", "randint", "randint_like", "randperm", "multinomial", "normal",
+                        "normal_", "uniform_", "exponential_"})
+
+
+def _forward_ops(ops: pd.DataFrame, names: frozenset) -> list[str]:
+    """The op_base names among `names` that ran in the forward phase."""
+    if ops is None or not len(ops) or not {"phase", "op"} <= set(ops.columns):
+        return []
+    fwd = op_base(ops.loc[ops["phase"] == "fwd", "op"])
+    return sorted(set(fwd[fwd.isin(names)]))
 
 
 def _forward_lines(file: str) -> list[tuple[int, int]]:
@@ -95,10 +104,7 @@ def _forward_lines(file: str) -> list[tuple[int, int]]:
 def forward_syncs(ops: pd.DataFrame, summary: dict) -> list[str]:
     """Host syncs inside the model's forward: the syncing ops among the forward-phase ops, and
     the recorded sync sites in a `forward` (its own function, or a line within one)."""
-    out = []
-    if ops is not None and len(ops) and {"phase", "op"} <= set(ops.columns):
-        fwd = op_base(ops.loc[ops["phase"] == "fwd", "op"])
-        out += sorted(set(fwd[fwd.isin(SYNC_OPS)]))
+    out = _forward_ops(ops, SYNC_OPS)
     spans: dict[str, list[tuple[int, int]]] = {}
     for s in summary.get("syncs") or []:
         if not int(s.get("count") or 0):
@@ -129,12 +135,10 @@ def graph_blockers(ops: pd.DataFrame, summary: dict, compiled: bool = False) -> 
     syncs = forward_syncs(ops, summary)
     if syncs:
         out.append(f"host syncs inside the model's forward ({', '.join(syncs[:3])}): a graph can't hold them")
-    if ops is not None and len(ops) and {"phase", "op"} <= set(ops.columns):
-        rnd = op_base(ops.loc[ops["phase"] == "fwd", "op"])
-        rnd = sorted(set(rnd[rnd.isin(RANDOM_OPS)]))
-        if rnd:
-            out.append(f"random ops in the forward ({', '.join(rnd)}): the compiled forward draws other random "
-                       "numbers than eager, so it can't be verified against it")
+    rnd = _forward_ops(ops, RANDOM_OPS)
+    if rnd:
+        out.append(f"random ops in the forward ({', '.join(rnd)}): the compiled forward draws other random "
+                   "numbers than eager, so it can't be verified against it")
     return out
 
 
@@ -270,6 +274,7 @@ def find_graphs(ops: pd.DataFrame, summary: dict) -> list[Finding]:
             applyable=not blockers,
         ))
     return out
+
 
 GRAPHS = Diagnosis(id=GRAPHS_ID, title="CUDA graphs for the launch-bound step (installable)", find=find_graphs)
 DIAGNOSES = [DIAGNOSIS, GRAPHS]
