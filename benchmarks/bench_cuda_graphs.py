@@ -54,6 +54,8 @@ def variants() -> dict:
         report = None
         if name == "kprof":
             report = kprof.patch(model, rules=["cuda_graphs"], strict=True)
+            if report.declined:
+                raise SystemExit(f"bench_cuda_graphs: kprof declined cuda_graphs: {report.declined[0].note}")
         elif name == "compile":
             model = torch.compile(model)
         out[name] = (model, opt, report)
