@@ -49,6 +49,16 @@ def _cases(dev: torch.device) -> dict[str, dict[str, Callable]]:
         ang = torch.randn(1, ROWS, 64, device=dev, dtype=bf)
         return (q, k, ang.cos(), ang.sin())
 
+    def add_pair(ys):  # both outputs into the loss, one add for every impl
+        return ys[0] + ys[1]
+
+    def aten_rms_norm(h, w):
+        return (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(bf) * w
+
+    def aten_rms_norm_add(x, r, w):
+        s = x + r
+        return aten_rms_norm(s, w), s
+
     def rotate(t):
         a, b = t.chunk(2, -1)
         return torch.cat((-b, a), -1)
@@ -58,8 +68,13 @@ def _cases(dev: torch.device) -> dict[str, dict[str, Callable]]:
             "inputs": lambda: (x(ROWS, COLS), x(COLS)),
             "kprof": lambda i: rms_norm.rms_norm(i[0], i[1], 1e-6),
             "liger": lf and (lambda i: lf.liger_rms_norm(i[0], i[1], 1e-6, in_place=False)),
-            "aten": lambda i: (i[0].float() * torch.rsqrt(i[0].float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(bf)
-            * i[1],
+            "aten": lambda i: aten_rms_norm(i[0], i[1]),
+        },
+        "rms_norm_add": {
+            "inputs": lambda: (x(ROWS, COLS), x(ROWS, COLS), x(COLS)),
+            "kprof": lambda i: add_pair(rms_norm.rms_norm_add(i[0], i[1], i[2], 1e-6)),
+            "liger": None,
+            "aten": lambda i: add_pair(aten_rms_norm_add(*i)),
         },
         "layer_norm": {
             "inputs": lambda: (x(ROWS, COLS), x(COLS), x(COLS)),

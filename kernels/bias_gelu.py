@@ -49,6 +49,7 @@ from kprof.kernels.common import (
     fast_math,
     kernel_op,
     launch,
+    new_out,
     load_f32,
     numel,
     persistent_programs,
@@ -214,7 +215,7 @@ def _check(x: torch.Tensor, bias: torch.Tensor) -> None:
 
 
 def _fwd(x: torch.Tensor, bias: torch.Tensor, act: int) -> torch.Tensor:
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = new_out(x)
     numel = y.numel()
     if numel == 0:
         return y
@@ -234,7 +235,7 @@ def _fwd(x: torch.Tensor, bias: torch.Tensor, act: int) -> torch.Tensor:
 
 
 def _bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]:
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = new_out(x)
     numel = dx.numel()
     if numel == 0:
         return dx, torch.zeros_like(bias)  # a sum over zero rows is 0

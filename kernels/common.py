@@ -53,7 +53,7 @@ INTERPRETED = not _COMPILED
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for host code. Triton 3.9's `triton.cdiv` and `triton.next_power_of_2` are
     ConstexprFunctions that unwrap every argument first: 4-7 of them per fwd+bwd were ~20% of
-    rms_norm's wiring time under cProfile (benchmarks/host_wiring_cpu.py)."""
+    rms_norm's wiring time under cProfile (benchmarks/host_cost_cpu.py)."""
     return -(-a // b)
 
 
@@ -261,6 +261,13 @@ def rows_and_stride(t: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, int]:
         return t, n_cols
     v = as_rows(t, n_cols)
     return v, v.stride(0)
+
+
+def new_out(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A new contiguous tensor of t's shape, on t's device, in `dtype` (default t's): a kernel's
+    output. empty_like, not torch.empty(t.shape, dtype=, device=): 1.3 us against 2.7-4 us of
+    argument parsing on the dev CPU, per output of every eager call (benchmarks/host_cost_cpu.py)."""
+    return torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format)
 
 
 def rows_cols(shape: Sequence[int]) -> tuple[int, int]:

@@ -48,6 +48,7 @@ from kprof.kernels.common import (
     fast_math,
     kernel_op,
     launch,
+    new_out,
     load_f32,
     numel,
     store_cast,
@@ -324,7 +325,7 @@ def _launch_bwd(dy, g, u, dg, du, n_rows: int, n_cols: int, strides: tuple, act:
 
 
 def _glu_fwd(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
-    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    y = new_out(gate)
     numel = y.numel()
     if numel == 0:
         return y
@@ -346,8 +347,7 @@ def _glu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int,
     if in_place:
         dg, du = gate, up
     else:
-        dg = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-        du = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        dg, du = new_out(gate), new_out(gate)
     numel = dg.numel()
     if numel == 0:
         return dg, du
@@ -374,7 +374,7 @@ def _glu_packed_fwd(gu: torch.Tensor, act: int) -> torch.Tensor:
 
 def _glu_packed_bwd(dy: torch.Tensor, gu: torch.Tensor, act: int) -> torch.Tensor:
     i = gu.shape[-1] // 2
-    dgu = torch.empty(gu.shape, dtype=gu.dtype, device=gu.device)
+    dgu = new_out(gu)
     if dgu.numel() == 0:
         return dgu
     gu2, dy2 = as_rows(gu, 2 * i), as_rows(dy, i)

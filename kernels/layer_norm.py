@@ -35,9 +35,12 @@ from kprof.kernels.common import (
     cdiv,
     kernel_op,
     launch,
+    new_out,
     num_warps,
     require_triton,
+    rows_and_stride,
     rows_cols,
+    sm_count,
     use_triton,
     via_custom_op,
     warn_fallback,
@@ -48,10 +51,7 @@ from kprof.kernels.rms_norm import (
     RowConfig,
     _acc_zeros,
     _cast,
-    _rows,
-    backward_grid,
-    dw_acc_f64,
-    partials_dtype,
+    backward_plan,
     sum_partials,
 )
 
@@ -378,22 +378,21 @@ def _forward_config(n_cols: int) -> RowConfig:
 def _launch_fwd(x, weight, bias, eps):
     """(y, stats): stats is fp32 [3, *x.shape[:-1]], per row the mean as a (hi, lo) pair
     (_store_mean_pair) and rstd. One tensor, one allocation: the host's cost per call is what
-    the eager wall time is made of (see common.via_custom_op)."""
-    require_triton(x, "layer_norm")
+    the eager wall time is made of (see common.via_custom_op). As rms_norm's launchers:
+    contiguous tensors passed as they are, plans cached per shape."""
     n_cols = x.shape[-1]
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = new_out(x)
     stats = torch.empty((3, *x.shape[:-1]), dtype=torch.float32, device=x.device)
-    if x.numel() == 0:
+    n_rows = x.numel() // n_cols if n_cols else 0
+    if n_rows == 0:
         return y, stats.fill_(math.nan)  # moments of an empty row are undefined
-    x2 = _rows(x)
-    y2 = y.view(-1, n_cols)
-    n_rows = x2.shape[0]
+    x2, sx = rows_and_stride(x, n_cols)
     cfg = _forward_config(n_cols)
     w = weight.contiguous() if weight is not None else x2  # dummy pointer when absent
     b = bias.contiguous() if bias is not None else x2
     launch(_layer_norm_fwd_kernel, (cdiv(n_rows, cfg.block_m),),
-        x2, w, b, y2, stats, stats[2],
-        x2.stride(0), y2.stride(0),
+        x2, w, b, y, stats, stats[2],
+        sx, n_cols,
         n_rows, n_cols, eps,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, LOOP=cfg.loop,
         EMULATE_RTNE=INTERPRETED, TREE_EMU=INTERPRETED,
@@ -406,30 +405,29 @@ def _launch_fwd(x, weight, bias, eps):
 def _launch_bwd(dy, x, weight, stats, dw_dtype, db_dtype):
     """(dx, dweight, dbias): dweight in `dw_dtype` and dbias in `db_dtype`, shape (N,), or fp32
     of shape (0,) where that dtype is None (not asked for)."""
-    require_triton(x, "layer_norm backward")
     n_cols = x.shape[-1]
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = new_out(x)
     compute_dw, compute_db = dw_dtype is not None, db_dtype is not None
-    if x.numel() == 0:
+    n_rows = x.numel() // n_cols if n_cols else 0
+    if n_rows == 0:
         return dx, *(torch.zeros(n_cols if dt is not None else 0, dtype=dt or torch.float32, device=x.device)
                      for dt in (dw_dtype, db_dtype))
-    dy2, x2 = _rows(dy), _rows(x)
-    dx2 = dx.view(-1, n_cols)
-    n_rows = x2.shape[0]
-    cfg = RowConfig.backward(n_cols, BWD_BLOCK_ELEMS, BWD_MAX_WARPS)
-    n_programs, rows_per_program = backward_grid(n_rows, cfg, x.device)
-    part_dtype = partials_dtype(x.dtype)
-    dw_part = torch.empty((n_programs, n_cols) if compute_dw else (1,), dtype=part_dtype, device=x.device)
-    db_part = torch.empty((n_programs, n_cols) if compute_db else (1,), dtype=part_dtype, device=x.device)
-    # Per-row scratch (c1, c2) for the looped path only; a dummy otherwise.
-    c = torch.empty(2 * n_rows if cfg.loop else 1, dtype=torch.float32, device=x.device)
+    dy2, sdy = rows_and_stride(dy, n_cols)
+    x2, sx = rows_and_stride(x, n_cols)
+    plan = backward_plan(n_rows, n_cols, x.dtype, x.device, sm_count(x.device), BWD_BLOCK_ELEMS, BWD_MAX_WARPS)
+    cfg, n_programs = plan.cfg, plan.n_programs
+    dw_part = torch.empty((n_programs, n_cols) if compute_dw else (1,), dtype=plan.part_dtype, device=x.device)
+    db_part = torch.empty((n_programs, n_cols) if compute_db else (1,), dtype=plan.part_dtype, device=x.device)
+    # Per-row scratch (c1, c2) for the looped path only; otherwise never touched, and stats (fp32
+    # too) stands in, as in rms_norm.
+    c = torch.empty(2 * n_rows, dtype=torch.float32, device=x.device) if cfg.loop else stats
     launch(_layer_norm_bwd_kernel, (n_programs,),
         dy2, x2, weight.contiguous() if weight is not None else x2, stats, stats[2],
-        dx2, dw_part, db_part, c,
-        dy2.stride(0), x2.stride(0), dx2.stride(0),
-        n_rows, n_cols, rows_per_program,
+        dx, dw_part, db_part, c,
+        sdy, sx, n_cols,
+        n_rows, n_cols, plan.rows_per_program,
         HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, LOOP=cfg.loop,
-        EMULATE_RTNE=INTERPRETED, ACC_F64=dw_acc_f64(x.dtype),
+        EMULATE_RTNE=INTERPRETED, ACC_F64=plan.acc_f64,
         TREE_EMU=INTERPRETED,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         maxnreg=BWD_MAXNREG if x.element_size() == 2 else None,
@@ -453,6 +451,7 @@ def _layer_norm_fwd_op(
     x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (y, stats): stats fp32 [3, *x.shape[:-1]] = (mean hi, mean lo, rstd) per row."""
+    require_triton(x, "layer_norm")
     return _launch_fwd(x, weight, bias, eps)
 
 
@@ -473,6 +472,7 @@ def _layer_norm_bwd_op(
     """Returns (dx, dweight, dbias); dweight and dbias in `dw_dtype` / `db_dtype` (the
     parameters' dtypes: the second-stage kernel writes them, no cast kernels after), shape (N,);
     a None dtype skips that gradient and returns an fp32 tensor of shape (0,)."""
+    require_triton(x, "layer_norm backward")
     return _launch_bwd(dy, x, weight, stats, dw_dtype, db_dtype)
 
 

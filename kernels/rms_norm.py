@@ -30,7 +30,7 @@ public functions, the `RMSNorm` module, the PyTorch references, the registry ent
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -41,16 +41,18 @@ from kprof.errors import KprofError
 from kprof.kernels.common import (
     FP_FUSION,
     INTERPRETED,
-    as_rows,
     cdiv,
     kernel_op,
     launch,
     next_power_of_2,
+    new_out,
     num_warps,
     persistent_programs,
     require_triton,
     row_tile,
+    rows_and_stride,
     rows_cols,
+    sm_count,
     use_triton,
     via_custom_op,
     warn_fallback,
@@ -337,23 +339,32 @@ def partials_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dw_acc_f64(dtype) else torch.float32
 
 
+@lru_cache(maxsize=1024)
+def _partials_plan(n_parts: int, n_cols: int) -> tuple[tuple[int], int, int]:
+    """(grid, BLOCK_P, BLOCK_N) of `_partials_sum_kernel`, cached on the ints (the norms' eager
+    backward is host-bound; benchmarks/host_cost_cpu.py)."""
+    block_p = min(next_power_of_2(n_parts), PARTIALS_MAX_BLOCK_P)
+    block_n = min(next_power_of_2(n_cols), max(1, PARTIALS_BLOCK_ELEMS // block_p))
+    return (cdiv(n_cols, block_n),), block_p, block_n
+
+
 def sum_partials(*parts: tuple[torch.Tensor, torch.dtype]) -> list[torch.Tensor]:
     """Second stage of the weight-grad reductions: each (partials [n_programs, N], dtype) ->
     the column sums (N,) in `dtype`, summed in fp64 in a fixed order (bitwise deterministic) and
     rounded once to fp32 before `dtype`. One or two buffers of the same shape, one launch."""
-    assert 1 <= len(parts) <= 2 and all(p.shape == parts[0][0].shape for p, _ in parts)
-    n_parts, n_cols = parts[0][0].shape
-    outs = [torch.empty(n_cols, dtype=dt, device=p.device) for p, dt in parts]
-    block_p = min(next_power_of_2(n_parts), PARTIALS_MAX_BLOCK_P)
-    block_n = min(next_power_of_2(n_cols), max(1, PARTIALS_BLOCK_ELEMS // block_p))
-    (p1, _), (p2, _) = parts[0], parts[-1]
-    launch(_partials_sum_kernel, (cdiv(n_cols, block_n),),
-        p1, outs[0], p2, outs[-1], n_parts, n_cols,
+    (p1, dt1), (p2, dt2) = parts[0], parts[-1]
+    assert len(parts) <= 2 and p1.shape == p2.shape
+    n_parts, n_cols = p1.shape
+    out1 = torch.empty(n_cols, dtype=dt1, device=p1.device)
+    out2 = torch.empty(n_cols, dtype=dt2, device=p1.device) if len(parts) == 2 else out1
+    grid, block_p, block_n = _partials_plan(n_parts, n_cols)
+    launch(_partials_sum_kernel, grid,
+        p1, out1, p2, out2, n_parts, n_cols,
         HAS_SECOND=len(parts) == 2, EMULATE_RTNE=INTERPRETED,
         BLOCK_P=block_p, BLOCK_N=block_n, num_warps=PARTIALS_NUM_WARPS,
         **FP_FUSION,
     )
-    return outs
+    return [out1, out2] if len(parts) == 2 else [out1]
 
 
 @dataclass(frozen=True)
@@ -395,6 +406,27 @@ def backward_grid(n_rows: int, cfg: RowConfig, device: torch.device) -> tuple[in
     return n_programs, cdiv(n_blocks, n_programs) * cfg.block_m
 
 
+class BackwardPlan(NamedTuple):
+    """Everything the norms' backward launch derives from its shape, dtype and device."""
+
+    cfg: RowConfig
+    n_programs: int
+    rows_per_program: int
+    part_dtype: torch.dtype  # of the [n_programs, N] weight-grad partials
+    acc_f64: bool
+
+
+@lru_cache(maxsize=1024)
+def backward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, device: torch.device, sms: int,
+                  block_elems: int | None = None, max_warps: int | None = None) -> BackwardPlan:
+    """The persistent backward's plan, cached: built per call it was ~4 us of the rms_norm
+    backward's Python (benchmarks/host_cost_cpu.py). `sms` is `sm_count(device)`, in the key so
+    that a changed count (tests patch it to the H200's) gets its own grid."""
+    cfg = RowConfig.backward(n_cols, block_elems, max_warps)
+    n_programs, rows_per_program = backward_grid(n_rows, cfg, device)
+    return BackwardPlan(cfg, n_programs, rows_per_program, partials_dtype(dtype), dw_acc_f64(dtype))
+
+
 # --------------------------------------------------------------------------------------------
 # Checks and host launchers
 # --------------------------------------------------------------------------------------------
@@ -432,28 +464,26 @@ def _out_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype, casting: str) -> torc
     return torch.promote_types(x_dtype, w_dtype) if casting == "llama" else x_dtype
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """(..., N) -> (M, N) with unit column stride (copies only if it has to)."""
-    return as_rows(t, t.shape[-1])
+# The launchers are the eager hot path (the autograd.Functions call them directly after the
+# public function's checks; the custom ops check `require_triton` first): contiguous tensors go
+# to the kernels as they are, with row stride N (no .view: ~1-3 us each), outputs come from
+# `new_out`, and the launch plans are cached per shape.
 
 
 def _launch_fwd(x, residual, weight, eps, offset, casting):
-    require_triton(x, "rms_norm")
     n_cols = x.shape[-1]
-    y = torch.empty(x.shape, dtype=_out_dtype(x.dtype, weight.dtype, casting), device=x.device)
-    s = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
+    y = new_out(x, _out_dtype(x.dtype, weight.dtype, casting))
+    s = new_out(x) if residual is not None else None
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    if x.numel() == 0:
+    n_rows = x.numel() // n_cols if n_cols else 0
+    if n_rows == 0:
         return y, s, rstd.fill_(math.nan)  # mean of an empty row is undefined, as in torch
-    x2 = _rows(x)
-    r2 = _rows(residual) if residual is not None else x2
-    y2 = y.view(-1, n_cols)
-    s2 = s.view(-1, n_cols) if s is not None else y2
-    n_rows = x2.shape[0]
+    x2, sx = rows_and_stride(x, n_cols)
+    r2, sr = rows_and_stride(residual, n_cols) if residual is not None else (x2, sx)
     cfg = RowConfig.forward(n_cols)
     launch(_rms_norm_fwd_kernel, (cdiv(n_rows, cfg.block_m),),
-        x2, r2, weight.contiguous(), y2, s2, rstd,
-        x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0),
+        x2, r2, weight.contiguous(), y, s if s is not None else y, rstd,
+        sx, sr, n_cols, n_cols,
         n_rows, n_cols, eps, offset,
         HAS_RESIDUAL=residual is not None, GEMMA=casting == "gemma", LOOP=cfg.loop,
         EMULATE_RTNE=INTERPRETED,
@@ -464,26 +494,27 @@ def _launch_fwd(x, residual, weight, eps, offset, casting):
 
 
 def _launch_bwd(dy, x, weight, rstd, ds, offset):
-    require_triton(x, "rms_norm backward")
     n_cols = x.shape[-1]
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if x.numel() == 0:
+    dx = new_out(x)
+    n_rows = x.numel() // n_cols if n_cols else 0
+    if n_rows == 0:
         return dx, torch.zeros_like(weight)
-    dy2, x2 = _rows(dy), _rows(x)
-    ds2 = _rows(ds) if ds is not None else dy2
-    dx2 = dx.view(-1, n_cols)
-    n_rows = x2.shape[0]
-    cfg = RowConfig.backward(n_cols)
-    n_programs, rows_per_program = backward_grid(n_rows, cfg, x.device)
-    dw_part = torch.empty((n_programs, n_cols), dtype=partials_dtype(x.dtype), device=x.device)
-    # Per-row scratch for the looped path only (c = mean(g * x_hat)); a dummy otherwise.
-    c = torch.empty(n_rows if cfg.loop else 1, dtype=torch.float32, device=x.device)
-    launch(_rms_norm_bwd_kernel, (n_programs,),
-        dy2, x2, weight.contiguous(), rstd.reshape(-1), ds2, dx2, dw_part, c,
-        dy2.stride(0), x2.stride(0), ds2.stride(0), dx2.stride(0),
-        n_rows, n_cols, offset, rows_per_program,
+    rstd = rstd if rstd.is_contiguous() else rstd.contiguous()  # read as one flat row per x row
+    dy2, sdy = rows_and_stride(dy, n_cols)
+    x2, sx = rows_and_stride(x, n_cols)
+    ds2, sds = rows_and_stride(ds, n_cols) if ds is not None else (dy2, sdy)
+    plan = backward_plan(n_rows, n_cols, x.dtype, x.device, sm_count(x.device))
+    cfg = plan.cfg
+    dw_part = torch.empty((plan.n_programs, n_cols), dtype=plan.part_dtype, device=x.device)
+    # Per-row scratch for the looped path only (c = mean(g * x_hat)); otherwise the kernel never
+    # touches C and rstd (fp32 too) stands in: one torch.empty less (~2 us of host time here).
+    c = torch.empty(n_rows, dtype=torch.float32, device=x.device) if cfg.loop else rstd
+    launch(_rms_norm_bwd_kernel, (plan.n_programs,),
+        dy2, x2, weight.contiguous(), rstd, ds2, dx, dw_part, c,
+        sdy, sx, sds, n_cols,
+        n_rows, n_cols, offset, plan.rows_per_program,
         HAS_DS=ds is not None, LOOP=cfg.loop,
-        EMULATE_RTNE=INTERPRETED, ACC_F64=dw_acc_f64(x.dtype),
+        EMULATE_RTNE=INTERPRETED, ACC_F64=plan.acc_f64,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         **FP_FUSION,
     )
@@ -502,6 +533,7 @@ def _launch_bwd(dy, x, weight, rstd, ds, offset):
 def _rms_norm_fwd_op(
     x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    require_triton(x, "rms_norm")
     y, _, rstd = _launch_fwd(x, None, weight, eps, offset, casting)
     return y, rstd
 
@@ -516,6 +548,7 @@ def _(x, weight, eps, offset, casting):
 def _rms_norm_add_fwd_op(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    require_triton(x, "rms_norm")
     y, s, rstd = _launch_fwd(x, residual, weight, eps, offset, casting)
     return y, s, rstd
 
@@ -530,6 +563,7 @@ def _(x, residual, weight, eps, offset, casting):
 def _rms_norm_bwd_op(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, ds: Optional[torch.Tensor], offset: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    require_triton(x, "rms_norm backward")
     return _launch_bwd(dy, x, weight, rstd, ds, offset)
 
 

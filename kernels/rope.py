@@ -264,17 +264,45 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
-def _bhs_strides(t: torch.Tensor, unsqueeze_dim: int) -> tuple[int, int, int]:
+def _bhs_strides(stride: tuple[int, ...], unsqueeze_dim: int) -> tuple[int, int, int]:
     """(batch, head, seq) strides of q/k/outputs read as [B, H, S, D], without a transpose view."""
-    st = t.stride()
-    return (st[0], st[1], st[2]) if unsqueeze_dim == 1 else (st[0], st[2], st[1])
+    return (stride[0], stride[1], stride[2]) if unsqueeze_dim == 1 else (stride[0], stride[2], stride[1])
 
 
-def _cos_strides(c: torch.Tensor) -> tuple[int, int]:
+def _cos_strides(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, int]:
     """(batch, seq) strides of cos/sin as [B, S, D], 0 where broadcast; 2-D [S, D] is [1, S, D]."""
-    if c.dim() == 3:
-        return (c.stride(0) if c.shape[0] != 1 else 0), (c.stride(1) if c.shape[1] != 1 else 0)
-    return 0, (c.stride(0) if c.shape[0] != 1 else 0)
+    if len(shape) == 3:
+        return (stride[0] if shape[0] != 1 else 0), (stride[1] if shape[1] != 1 else 0)
+    return 0, (stride[0] if shape[0] != 1 else 0)
+
+
+@functools.lru_cache(maxsize=1024)
+def _rope_plan(q_shape, q_stride, k_shape, k_stride, qo_stride, ko_stride, c_shape, c_stride, s_shape, s_stride,
+               unsqueeze_dim: int):
+    """(grid, the kernel's int arguments, RopeConfig.for_shape's arguments) of a launch on
+    tensors of these shapes and strides, or None when q, k, cos or sin needs a copy first (a
+    last dim of non-unit stride; cos and sin strided differently). Cached on the shapes and
+    strides: read from the tensors per call it was ~22 stride calls and ~10 us of the fwd+bwd's
+    Python on the dev CPU (benchmarks/host_cost_cpu.py)."""
+    if any(shape[-1] > 1 and stride[-1] != 1 for shape, stride in
+           ((q_shape, q_stride), (k_shape, k_stride), (c_shape, c_stride), (s_shape, s_stride))):
+        return None
+    c_strides = _cos_strides(c_shape, c_stride)
+    if c_strides != _cos_strides(s_shape, s_stride):  # one set of strides for both tables
+        return None
+    s_dim = 2 if unsqueeze_dim == 1 else 1
+    batch, seq, head_dim = q_shape[0], q_shape[s_dim], q_shape[3]
+    n_q_heads, n_k_heads = q_shape[3 - s_dim], k_shape[3 - s_dim]
+    half = c_shape[-1] // 2  # rot_dim / 2: head_dim / 2 unless partial
+    ints = (seq, n_q_heads, n_k_heads, half, head_dim,
+            *_bhs_strides(q_stride, unsqueeze_dim), *_bhs_strides(k_stride, unsqueeze_dim),
+            *_bhs_strides(qo_stride, unsqueeze_dim), *_bhs_strides(ko_stride, unsqueeze_dim), *c_strides)
+    return (batch * seq,), ints, (n_q_heads, n_k_heads, half, head_dim - 2 * half)
+
+
+def _plan_of(q, k, cos, sin, unsqueeze_dim, qo, ko):
+    return _rope_plan(q.shape, q.stride(), k.shape, k.stride(), qo.stride(), ko.stride(),
+                      cos.shape, cos.stride(), sin.shape, sin.stride(), unsqueeze_dim)
 
 
 def _rope_launch(
@@ -291,24 +319,19 @@ def _rope_launch(
     """
     if qo.numel() == 0 and ko.numel() == 0:
         return
-    q, k = _unit_last(q), _unit_last(k)
-    cos, sin = _unit_last(cos), _unit_last(sin)
-    s_dim = 2 if unsqueeze_dim == 1 else 1
-    batch, seq, head_dim = q.shape[0], q.shape[s_dim], q.shape[3]
-    n_q_heads, n_k_heads = q.shape[3 - s_dim], k.shape[3 - s_dim]
-    c_sb, c_ss = _cos_strides(cos)
-    if (c_sb, c_ss) != _cos_strides(sin):  # one set of strides for both tables
-        cos, sin = cos.contiguous(), sin.contiguous()
-        c_sb, c_ss = _cos_strides(cos)
-    half = cos.shape[-1] // 2  # rot_dim / 2: head_dim / 2 unless partial
-    n_pass = head_dim - 2 * half
-    cfg = config or RopeConfig.for_shape(n_q_heads, n_k_heads, half, n_pass)
-    launch(_rope_kernel, (batch * seq,),
-        q, k, qo, ko, cos, sin,
-        seq, n_q_heads, n_k_heads, half, head_dim,
-        *_bhs_strides(q, unsqueeze_dim), *_bhs_strides(k, unsqueeze_dim),
-        *_bhs_strides(qo, unsqueeze_dim), *_bhs_strides(ko, unsqueeze_dim),
-        c_sb, c_ss,
+    plan = _plan_of(q, k, cos, sin, unsqueeze_dim, qo, ko)
+    if plan is None:
+        q, k = _unit_last(q), _unit_last(k)
+        cos, sin = _unit_last(cos), _unit_last(sin)
+        plan = _plan_of(q, k, cos, sin, unsqueeze_dim, qo, ko)
+        if plan is None:  # cos and sin strided differently
+            cos, sin = cos.contiguous(), sin.contiguous()
+            plan = _plan_of(q, k, cos, sin, unsqueeze_dim, qo, ko)
+    grid, ints, dims = plan
+    n_pass = dims[3]
+    cfg = config or RopeConfig.for_shape(*dims)
+    launch(_rope_kernel, grid,
+        q, k, qo, ko, cos, sin, *ints,
         BLOCK_HQ=cfg.block_hq, BLOCK_HK=cfg.block_hk, BLOCK_D=cfg.block_d, ONE_TILE=cfg.one_tile,
         BACKWARD=backward, PASS=n_pass > 0, BLOCK_P=cfg.block_p, INTERLEAVED=interleaved, num_warps=cfg.num_warps,
         **FP_FUSION,
@@ -424,8 +447,8 @@ def _normalize(q, k, cos, sin, position_ids, unsqueeze_dim, dtypes=DTYPES) -> in
     if cos.dtype not in dtypes or sin.dtype != cos.dtype:
         raise KprofError(f"apply_rope: cos and sin must share one dtype of float32/float16/bfloat16; "
                          f"got cos {cos.dtype}, sin {sin.dtype}")
-    devices = {t.device for t in (q, k, cos, sin)}
-    if len(devices) != 1:
+    if not q.device == k.device == cos.device == sin.device:  # the set only for the message: ~2 us a call
+        devices = {t.device for t in (q, k, cos, sin)}
         raise KprofError(f"apply_rope: q, k, cos, sin must be on one device; got {sorted(map(str, devices))}")
     s_dim = 2 if unsqueeze_dim == 1 else 1
     b, seq, d = q.shape[0], q.shape[s_dim], q.shape[-1]
@@ -436,9 +459,9 @@ def _normalize(q, k, cos, sin, position_ids, unsqueeze_dim, dtypes=DTYPES) -> in
         raise KprofError(f"apply_rope: head_dim must be even for rotate-half RoPE; got {d}")
     if cos.shape != sin.shape:
         raise KprofError(f"apply_rope: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ in shape")
-    c = cos if cos.dim() == 3 else cos.unsqueeze(0) if cos.dim() == 2 else None
-    if (c is None or c.shape[0] not in (1, b) or c.shape[1] not in (1, seq)
-            or not 0 < c.shape[2] <= d or c.shape[2] % 2):
+    c = cos.shape if cos.dim() == 3 else (1, *cos.shape) if cos.dim() == 2 else None  # shapes, not an unsqueeze op
+    if (c is None or c[0] not in (1, b) or c[1] not in (1, seq)
+            or not 0 < c[2] <= d or c[2] % 2):
         raise KprofError(f"apply_rope: cos/sin must be [B, S, R], [1, S, R] or [S, R] with B={b}, S={seq} and R "
                          f"even, 0 < R <= D={d} (R < D: partial rotary); got {tuple(cos.shape)}")
     return unsqueeze_dim

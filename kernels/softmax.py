@@ -49,6 +49,7 @@ from kprof.kernels.common import (
     cdiv,
     kernel_op,
     launch,
+    new_out,
     num_warps,
     row_tile,
     rows_and_stride,
@@ -311,7 +312,7 @@ def _softmax_fwd(
     # Host work per call is one torch.empty and one launch for contiguous x (each aten op is
     # ~12 us and a launch ~24 us of host time on the H200 machine, where this path is host-bound).
     shape = x.shape
-    y = torch.empty(shape, dtype=x.dtype, device=x.device)
+    y = new_out(x)
     n_cols = shape[-1]
     n = x.numel()
     if n == 0:
@@ -344,7 +345,7 @@ def _softmax_bwd(
     y: torch.Tensor, dy: torch.Tensor, scale: float, causal: bool, config: Optional[SoftmaxConfig] = None
 ) -> torch.Tensor:
     shape = y.shape
-    dx = torch.empty(shape, dtype=y.dtype, device=y.device)
+    dx = new_out(y)
     n_cols = shape[-1]
     n = y.numel()
     if n == 0:

@@ -360,7 +360,7 @@ def test_eager_path_launches_directly(monkeypatch, device):
         y.backward(dy)
     assert launches == ["_softmax_fwd_rows_kernel", "_softmax_bwd_rows_kernel"]
     # (autograd's own detach of saved tensors is left out: its count is torch's business)
-    assert [op for op in log.ops if op != "aten.detach.default"] == ["aten.empty.memory_format"] * 2, log.ops
+    assert [op for op in log.ops if op != "aten.detach.default"] == ["aten.empty_like.default"] * 2, log.ops
 
 
 def test_profiler_sees_custom_ops(device):
