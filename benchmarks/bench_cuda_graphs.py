@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime as dt
+import itertools
 import statistics
 import sys
 from pathlib import Path
@@ -75,7 +76,7 @@ def timed_block(model, opt, x, y, steps: int) -> list[float]:
         train_step(model, opt, x, y)
         ev[i + 1].record()
     torch.cuda.synchronize()
-    return [a.elapsed_time(b) for a, b in zip(ev, ev[1:])]
+    return [a.elapsed_time(b) for a, b in itertools.pairwise(ev)]
 
 
 def main() -> int:

@@ -51,7 +51,7 @@ high by that much; the after run, timed in its own process against the plan's ru
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
