@@ -217,18 +217,20 @@ def _weights_kernel(
 
 
 @functools.lru_cache(maxsize=None)
-def _config(dtype: torch.dtype, gated: bool) -> tuple[int, int, int, int, int]:
-    """(block_m, block_n, block_k, num_warps, num_stages), not tuned on a GPU yet.
-    16-bit: 128x128x64 tiles, 8 warps, 3 stages (3 x 32 KB of operand tiles in shared memory);
-    the SwiGLU kernel keeps two accumulators (gate, up), so its column tile is 64 (the same
-    64 KB of fp32 accumulators as one 128x128). fp32 (no tensor cores with IEEE precision):
-    64x64x32. The interpreter: 16-row, 16/32-column, 16-deep tiles, so the small test shapes
-    have tiles straddling experts and partial K and column tiles."""
+def _config(dtype: torch.dtype, epilogue: bool) -> tuple[int, int, int, int, int]:
+    """(block_m, block_n, block_k, num_warps, num_stages); not timed on a GPU yet.
+    16-bit: 128x128x64 tiles, 8 warps, 3 stages (3 x 32 KB of operand tiles in shared memory).
+    The SwiGLU epilogues (`epilogue`) take 64 columns: the forward keeps two accumulators (gate,
+    up), the backward loads gate and up beside its accumulator; at 128 columns the backward's
+    used 255 registers and spilled 120 bytes (ptxas for sm_90a, from the sm_90 AOT compile in
+    the tests), at 64 no 16-bit kernel spills. fp32 (IEEE: no tensor-core TF32): 64x64x32.
+    The interpreter: 16-row, 16/32-column, 16-deep tiles, so the small test shapes have tiles
+    straddling experts and partial K and column tiles."""
     if INTERPRETED:
-        return 16, 16 if gated else 32, 16, 4, 1
+        return 16, 16 if epilogue else 32, 16, 4, 1
     if dtype == torch.float32:
-        return 64, 32 if gated else 64, 32, 4, 3
-    return 128, 64 if gated else 128, 64, 8, 3
+        return 64, 32 if epilogue else 64, 32, 4, 3
+    return 128, 64 if epilogue else 128, 64, 8, 3
 
 
 def _launch_rows(a, b, c, h, offsets, n_cols: int, epi: int) -> None:
@@ -236,7 +238,7 @@ def _launch_rows(a, b, c, h, offsets, n_cols: int, epi: int) -> None:
     n_rows, k_dim = a.shape
     if n_rows == 0 or n_cols == 0:
         return
-    bm, bn, bk, warps, stages = _config(a.dtype, epi == EPI_SWIGLU)
+    bm, bn, bk, warps, stages = _config(a.dtype, epi != EPI_STORE)
     with device_ctx(c):
         launch(_rows_kernel, (cdiv(n_rows, bm), cdiv(n_cols, bn)),
             a, b, c, h, offsets, n_rows, n_cols, k_dim, offsets.numel(),

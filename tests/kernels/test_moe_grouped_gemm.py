@@ -95,3 +95,63 @@ def test_profiler_sees_the_custom_ops_with_costs(device):
         ev = events[f"kprof::moe_grouped_gemm_{d}"]
         metas = [TensorMeta(tuple(s), torch.float32 if s else torch.int32) for s in ev.input_shapes]
         assert op_cost(ev.name, metas) == expected[d]
+
+
+# The interpreter accepts code the compiler rejects and shows neither register pressure nor
+# pipelining, so the kernels are also compiled for sm_90 here (no GPU: Triton's own ptxas), in a
+# subprocess without TRITON_INTERPRET, at `_config`'s GPU tiles and with the specialisations a
+# launch at the Mixtral shape gets (16-divisible pointers, sizes and strides; unit strides as
+# constants). Each of the six launches must use wgmma, multi-buffer its loads (cp.async) and
+# not spill (ptxas -v).
+AOT_SCRIPT = r"""
+import os, re, subprocess, sys, tempfile
+os.environ["TRITON_INTERPRET"] = "0"
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
+from kprof.kernels import moe_grouped_gemm as G
+
+# (kernel, epilogue or GATED, the strides that are 1), as _fwd and _bwd launch them
+LAUNCHES = [("_rows_kernel", 1, ("s_ak", "s_bn")), ("_rows_kernel", 0, ("s_ak", "s_bn")),
+            ("_rows_kernel", 2, ("s_ak", "s_bk")), ("_rows_kernel", 0, ("s_ak", "s_bk")),
+            ("_weights_kernel", False, ("s_ak", "s_bn")), ("_weights_kernel", True, ("s_ak", "s_bn"))]
+for name, mode, ones in LAUNCHES:
+    fn = getattr(G, name)
+    if name == "_rows_kernel":
+        bm, bn, bk, warps, stages = G._config(torch.bfloat16, mode != 0)
+        consts = dict(EPI=mode, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=8)
+    else:
+        bm, bn, bk, warps, stages = G._config(torch.bfloat16, False)
+        consts = dict(GATED=mode, BLOCK_K=bm, BLOCK_N=bn, BLOCK_R=bk)
+    consts.update(INTERP=False, FAST=True, **{a: 1 for a in ones})
+    sig, attrs = {}, {}
+    for i, a in enumerate(fn.arg_names):
+        if a in consts:
+            sig[a] = "constexpr"
+            continue
+        sig[a] = "*i32" if a == "offs_ptr" else "*bf16" if a.endswith("_ptr") else "i32"
+        if a != "n_experts":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": True})
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(k.asm["ptx"])
+    log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
+                         capture_output=True, text=True, check=True).stderr
+    ir = k.asm["ttgir"]
+    print(name, mode, "wgmma" if "warp_group_dot" in ir else "-", "cp.async" if "async_copy_global_to_local" in ir else "-",
+          re.search(r"(\d+) bytes spill stores", log).group(1))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile and run the kernels")
+def test_kernels_compile_for_sm90_pipelined_without_spills():
+    pytest.importorskip("triton.backends.nvidia")
+    from aot_helpers import run_aot_script
+
+    lines = [ln.split() for ln in run_aot_script(AOT_SCRIPT).splitlines() if ln.startswith("_")]
+    assert len(lines) == 6, lines
+    for name, mode, wgmma, cp_async, spill in lines:
+        assert (wgmma, cp_async, spill) == ("wgmma", "cp.async", "0"), (name, mode)
