@@ -222,7 +222,9 @@ def test_fullgraph_captures_the_kprof_ops(name, dtype, device):
 # become launches of the module's own kernels and nothing opaque. The SM count is the H200's (132),
 # which only sizes the persistent grids; nothing is launched or compiled.
 TRITON_OP_SCRIPT = r"""
+import sys
 import types
+import warnings
 import torch
 torch.cuda.current_device = lambda: 0
 torch.cuda.get_device_properties = lambda i: types.SimpleNamespace(multi_processor_count=132)
@@ -230,7 +232,16 @@ from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._subclasses.functional_tensor import dispatch_functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
-from kprof.kernels import bias_gelu, cross_entropy, fused_linear_cross_entropy, glu, layer_norm, rms_norm, rope, softmax
+REFUSE = sys.argv[1:] == ["refuse"]
+if REFUSE:  # a torch that rejects every triton_op registration
+    def refuse(*args, **kwargs):
+        raise RuntimeError("refused")
+    torch.library.triton_op = refuse
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    from kprof.kernels import bias_gelu, cross_entropy, fused_linear_cross_entropy, glu, layer_norm, rms_norm, rope, softmax
+if REFUSE:
+    print("warned", ",".join(sorted(str(w.message).split(" ")[1] for w in caught if "plain custom op" in str(w.message))))
 K = torch.ops.kprof
 fm = FakeTensorMode()
 with fm:
@@ -282,7 +293,7 @@ CALLS = {
 NOT_HERE = {"layer_norm_fwd", "layer_norm_bwd", "swiglu_packed_fwd", "swiglu_packed_bwd", "geglu_packed_fwd",
             "geglu_packed_bwd"}
 for name, (op, args) in CALLS.items():
-    if name in NOT_HERE:
+    if name in NOT_HERE and not REFUSE:  # (refused, only their shapes-only fakes are traced)
         print(name, "triton_op" if f"kprof::{name}" in torch._library.triton.triton_ops_to_kernels else "-", "-", "-")
         continue
     tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
@@ -301,6 +312,8 @@ for name, (op, args) in CALLS.items():
             kernels.append(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__)
         elif "kprof" in str(n.target):
             opaque.append(str(n.target))
+        elif "auto_functionalized" in str(n.target):  # an opaque op that mutates an input
+            opaque.append(str(n.args[0]))
         elif n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
             matmuls.append(n.target.__name__.split(".")[0])
     print(name, ",".join(kernels) or "-", ",".join(opaque) or "-", ",".join(matmuls) or "-")
@@ -346,15 +359,33 @@ TRITON_OP_MATMULS = {
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test below compiles them with Inductor")
 def test_ops_are_triton_ops_that_trace_into_their_kernels():
-    from aot_helpers import run_aot_script
-
-    lines = run_aot_script(TRITON_OP_SCRIPT).split("\n")
-    got = {name: tuple(rest) for name, *rest in (ln.split(" ") for ln in lines if ln)}
+    got = _traced_ops()
     want = {name: (kernels, "-", TRITON_OP_MATMULS.get(name, "-")) for name, kernels in TRITON_OP_KERNELS.items()}
     for name in ("layer_norm_fwd", "layer_norm_bwd", "swiglu_packed_fwd", "swiglu_packed_bwd", "geglu_packed_fwd",
                  "geglu_packed_bwd"):  # registered as triton_ops; traced by the GPU test only (NOT_HERE)
         want[name] = ("triton_op", "-", "-")
     assert got == want
+
+
+def _traced_ops(*args: str) -> dict[str, tuple[str, ...]]:
+    """TRITON_OP_SCRIPT's lines as {op or "warned": (its fields)}."""
+    from aot_helpers import run_aot_script
+
+    lines = run_aot_script(TRITON_OP_SCRIPT, *args).split("\n")
+    return {name: tuple(rest) for name, *rest in (ln.split(" ") for ln in lines if ln)}
+
+
+# slow: as the test above
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU registers triton_ops; this is the torch that refuses")
+def test_refused_triton_ops_fall_back_to_opaque_custom_ops():
+    """Where torch rejects a triton_op registration, `kernel_op` warns and registers a plain custom
+    op: each op is then one opaque node after AOTAutograd (the in-place ones through
+    auto_functionalized), traced from its shapes-only fake, and launches nothing itself."""
+    got = _traced_ops("refuse")
+    warned = set(got.pop("warned")[0].split(","))
+    assert {f"kprof::{name}" for name in TRITON_OP_KERNELS} <= warned
+    assert got == {name: ("-", f"kprof.{name}.default", "-") for name in TRITON_OP_KERNELS}
 
 
 @gpu
