@@ -460,6 +460,8 @@ def why_not_installed(entry: dict, reports: Sequence) -> str:
     """Why a planned patch has no record on the live model: the live check's own reason (a traced
     candidate's declined note names the structural difference; a skipped rule says why), else
     what was checked where, then the exact source change when the plan has one."""
+    from kprof.rules import STEP_RULES
+
     i = entry["id"]
     declined = [r for rep in reports for r in rep.declined
                 if r.rule == i or i in (r.params or {}).get("candidate_for", [])]
@@ -470,6 +472,10 @@ def why_not_installed(entry: dict, reports: Sequence) -> str:
         why = skipped[0]
     elif i == OPTIMIZER_ID:
         why = "no torch.optim optimizer took a step before the timed steps, so none was switched"
+    elif i in {r.id for r in STEP_RULES}:
+        why = (f"{i} takes the model's root forward, which was replaced first (by a rule earlier in precedence, the "
+               f"fused linear + cross-entropy, or by the script's own instance-level forward): `--patch {i}` alone "
+               "installs it where the script doesn't")
     else:
         paths = entry.get("paths") or []
         where = ", ".join(paths[:3]) + (f" (+{len(paths) - 3} more)" if len(paths) > 3 else "") if paths else "<model>"

@@ -63,6 +63,12 @@ def test_kprof_patch_without_rules_installs_what_apply_kept(monkeypatch, tmp_pat
     assert [(r.rule, r.status) for r in report.declined] == [("cuda_graphs", "declined")]
 
 
+def test_root_forward_taken_by_an_earlier_rule_is_said():
+    # what apply reports when cuda_graphs found the root forward already replaced (find_matches)
+    why = ap.why_not_installed({"id": "cuda_graphs"}, [])
+    assert "root forward, which was replaced first (by a rule earlier in precedence" in why
+
+
 def test_rule_is_named_by_id_only():
     from kprof.patching.install import resolve_rules
 
