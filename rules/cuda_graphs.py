@@ -6,9 +6,8 @@ reduce-overhead runs under Inductor) record the forward and the backward as grap
 non-static inputs into the graph's own buffers, treat parameters as static (the optimizer steps
 them in place, so their addresses never change and nothing is copied), re-record per new input
 shape, and give the RNG of dropout a graph-safe seed. make_graphed_callables needs sample inputs
-with `requires_grad` set as the real ones will be, captures eagerly (no fusion on top), forbids
-module hooks (kprof's own profiling hooks among them) and gives nothing for a shape it wasn't
-captured at. Reduce-overhead also fuses the elementwise ops between the matmuls, so fewer kernels
+with `requires_grad` set as the real ones will be, captures eagerly (no fusion on top), refuses
+modules with hooks registered and can't replay at a shape it wasn't captured at. Reduce-overhead also fuses the elementwise ops between the matmuls, so fewer kernels
 are left to launch even before the graph replays them in one call.
 
 Installed like every kprof patch (kprof/patching/install.py): an instance-level `forward` on the
