@@ -13,7 +13,7 @@ import torch
 
 from kprof.kernels import moe_grouped_gemm as G
 from kprof.kernels.registry import TensorMeta, op_cost
-from moe_helpers import check_matches_reference, inputs, reference, run
+from moe_helpers import assert_per_expert_fro, check_matches_reference, inputs, reference, run
 
 DTYPES = [torch.float32, torch.bfloat16, pytest.param(torch.float16, marks=pytest.mark.slow)]
 # (rows per expert, hidden, intermediate); the interpreter's tiles are 16 rows, 16-32 columns
@@ -96,6 +96,95 @@ def test_profiler_sees_the_custom_ops_with_costs(device):
         metas = [TensorMeta(tuple(s), torch.float32 if s else torch.int32) for s in ev.input_shapes]
         assert op_cost(ev.name, metas) == expected[d]
 
+
+
+def test_fullgraph_captures_the_ops(device):
+    """torch.compile(fullgraph=True) keeps the call whole: one graph, the forward and backward
+    bodies call kprof::moe_grouped_gemm_{fwd,bwd}, and the results are the eager ones bit for bit
+    (the same kernels run). As tests/kernels/test_compile.py does for the other kernels."""
+    from test_compile import _kprof_ops, _run
+
+    x, offs, wgu, wd, _ = inputs((5, 0, 7), 16, 8, torch.bfloat16, device)
+
+    def call(x, wgu, wd, offs):
+        return G.moe_grouped_gemm(x, offs, wgu, wd)
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    got = _run(torch.compile(call, backend=capture, fullgraph=True), [x, wgu, wd], [offs])
+    assert len(graphs) == 1
+    assert _kprof_ops(graphs[0], "fwd_body") == {"moe_grouped_gemm_fwd"}
+    assert _kprof_ops(graphs[0], "bwd_body") == {"moe_grouped_gemm_bwd"}
+    for a, b in zip(got, _run(call, [x, wgu, wd], [offs])):
+        assert torch.equal(a, b)
+
+
+# Each op as AOTAutograd traces it on a GPU (FunctionalTensorMode over fake CUDA tensors, Triton
+# not interpreted): a torch.library.triton_op whose body becomes launches of this module's
+# kernels (which Inductor then launches itself), nothing opaque.
+TRACE_SCRIPT = r"""
+import torch
+torch.cuda.current_device = lambda: 0
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.functional_tensor import dispatch_functionalize
+from torch.fx.experimental.proxy_tensor import make_fx
+from kprof.kernels import moe_grouped_gemm  # noqa: F401  (registers the ops)
+K = torch.ops.kprof
+fm = FakeTensorMode()
+with fm:
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    x, wgu, wd, h = torch.randn(12, 16, **bf), torch.randn(3, 16, 48, **bf), torch.randn(3, 24, 16, **bf), torch.randn(12, 48, **bf)
+    offs = torch.tensor([5, 5, 12], dtype=torch.int32, device="cuda")
+for name, op, args in (("fwd", K.moe_grouped_gemm_fwd, (x, offs, wgu, wd)),
+                       ("bwd", K.moe_grouped_gemm_bwd, (x, x, offs, h, wgu, wd))):
+    with fm:
+        gm = make_fx(dispatch_functionalize(op))(*args)
+    nodes = [str(n.target) for n in gm.graph.nodes]
+    kernels = [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__
+               for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target)]
+    print(name, ",".join(kernels), sum("kprof" in t for t in nodes))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test below compiles them with Inductor")
+def test_ops_are_triton_ops_that_trace_into_their_kernels():
+    from aot_helpers import run_aot_script
+
+    got = run_aot_script(TRACE_SCRIPT).split()
+    assert got == ["fwd", "_rows_kernel,_rows_kernel", "0",
+                   "bwd", "_rows_kernel,_rows_kernel,_weights_kernel,_weights_kernel", "0"]
+
+
+@pytest.mark.gpu
+def test_inductor_fullgraph_launches_the_kernels():
+    """Inductor launches the kernels from its generated code (no call back into a kprof:: op).
+    y is the eager one bit for bit (the same kernel); the grads start from `_run`'s sin loss,
+    which Inductor fuses differently, so they are compared per expert in Frobenius norm."""
+    from test_compile import _run
+    from torch._inductor.utils import run_and_get_code
+
+    x, offs, wgu, wd, _ = inputs((300, 0, 212), 256, 384, torch.bfloat16, "cuda")
+
+    def call(x, wgu, wd, offs):
+        return G.moe_grouped_gemm(x, offs, wgu, wd)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(call, backend="inductor", fullgraph=True)
+    got, codes = run_and_get_code(lambda: _run(compiled, [x, wgu, wd], [offs]))
+    want = _run(call, [x, wgu, wd], [offs])
+    assert torch.equal(got[0], want[0])
+    assert_per_expert_fro(got[1], want[1], [slice(0, 300), slice(300, 300), slice(300, 512)], msg="d x")
+    for name, a, b in zip(("w_gate_up", "w_down"), got[2:], want[2:]):
+        assert_per_expert_fro(a, b, range(3), msg=f"d {name}")
+    code = "\n".join(codes)
+    assert "_rows_kernel" in code and "_weights_kernel" in code and "torch.ops.kprof" not in code
 
 # The interpreter accepts code the compiler rejects and shows neither register pressure nor
 # pipelining, so the kernels are also compiled for sm_90 here (no GPU: Triton's own ptxas), in a
