@@ -347,6 +347,9 @@ def check_experts_args(x, offsets, w_gate_up, w_down) -> None:
                          f"w_gate_up {tuple(w_gate_up.shape)}, w_down {tuple(w_down.shape)}")
     if x.dtype not in SUPPORTED_DTYPES or w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
         raise KprofError(f"moe_experts: x and weights must share a dtype of {SUPPORTED_DTYPES}")
+    if not (offsets.device == w_gate_up.device == w_down.device == x.device):
+        raise KprofError(f"moe_experts: x, offsets and weights must be on one device, got {x.device}, "
+                         f"{offsets.device}, {w_gate_up.device}, {w_down.device}")
 
 
 def moe_grouped_gemm(x: torch.Tensor, offsets: torch.Tensor, w_gate_up: torch.Tensor,

@@ -1,9 +1,11 @@
 """The Triton grouped GEMM for MoE experts (kprof.kernels.moe_grouped_gemm): forward and the
-grads of x, w_gate_up and w_down against the per-expert loop in fp64 (16-bit grads per expert
-in Frobenius norm: see test_matches_reference), with H and I that are not multiples of the
-blocks, row tiles straddling experts (16-row tiles under the interpreter), empty experts, all rows on one expert, zero rows and one expert; HF-layout (transposed,
-misaligned) weights; rows past the last offset; run-to-run determinism; the custom ops a
-profiler sees and their costs.
+grads of x, w_gate_up and w_down against the per-expert loop in fp64 (16-bit grads per expert in
+Frobenius norm: see test_matches_reference), with H and I that are not multiples of the blocks,
+row tiles straddling experts (16-row tiles under the interpreter), empty experts, all rows on
+one expert, zero rows and one expert; HF-layout (transposed, misaligned) weights; rows past the
+last offset; argument errors; run-to-run determinism; the custom ops a profiler sees and their
+costs; torch.compile (Dynamo here, the triton_op trace and an sm_90 compile in subprocesses,
+Inductor on the GPU).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kprof.errors import KprofError
 from kprof.kernels import moe_grouped_gemm as G
+from kprof.kernels.common import assert_close
 from kprof.kernels.registry import TensorMeta, op_cost
 from moe_helpers import assert_per_expert_fro, check_matches_reference, inputs, reference, run
 
@@ -57,9 +61,9 @@ def test_hf_layout_weights(device):
     dy_nc = torch.stack([dy, dy], 2)[..., 1]
     y, grads = run(G.moe_grouped_gemm, x_nc, offs, wgu_hf, wd_hf, dy_nc)
     yr, grads_r = reference(x, offs, wgu, wd, dy)
-    torch.testing.assert_close(y, yr.float(), atol=1e-5, rtol=2e-5)
+    assert_close(y, yr, msg="y")
     for a, b in zip(grads, grads_r):
-        torch.testing.assert_close(a, b.float(), atol=1e-5, rtol=2e-5)
+        assert_close(a, b)
 
 
 def test_rows_past_the_last_offset_are_zero(device):
@@ -69,7 +73,15 @@ def test_rows_past_the_last_offset_are_zero(device):
     x = torch.cat([x, torch.randn(3, 16, device=device)])
     y = G.moe_grouped_gemm(x, offs, wgu, wd)
     assert torch.equal(y[9:], torch.zeros(3, 16, device=device))
-    torch.testing.assert_close(y[:9], G.moe_grouped_gemm_reference(x[:9], offs, wgu, wd))
+    assert_close(y[:9], G.moe_grouped_gemm_reference(x[:9].double(), offs, wgu.double(), wd.double()))
+
+
+def test_argument_errors(device):
+    x, offs, wgu, wd, _ = inputs((3, 4), 16, 8, torch.float32, device)
+    with pytest.raises(KprofError, match="disagree"):
+        G.moe_grouped_gemm(x, offs, wgu, wd[:, :, :8])
+    with pytest.raises(KprofError, match="one device"):
+        G.moe_grouped_gemm(x, offs.to("meta"), wgu, wd)  # the kernel would read a pointer of another device
 
 
 def test_deterministic(device):
@@ -93,9 +105,8 @@ def test_profiler_sees_the_custom_ops_with_costs(device):
     expected = G._cost(12, 24, 40, 3, torch.float32)
     for d in ("fwd", "bwd"):
         ev = events[f"kprof::moe_grouped_gemm_{d}"]
-        metas = [TensorMeta(tuple(s), torch.float32 if s else torch.int32) for s in ev.input_shapes]
+        metas = [TensorMeta(tuple(s), torch.float32) for s in ev.input_shapes]  # the cost reads x's dtype only
         assert op_cost(ev.name, metas) == expected[d]
-
 
 
 def test_fullgraph_captures_the_ops(device):
@@ -199,7 +210,9 @@ import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
+from kprof.errors import KprofError
 from kprof.kernels import moe_grouped_gemm as G
+from kprof.kernels.common import assert_close
 
 # (kernel, epilogue or GATED, the strides that are 1), as _fwd and _bwd launch them
 LAUNCHES = [("_rows_kernel", 1, ("s_ak", "s_bn")), ("_rows_kernel", 0, ("s_ak", "s_bn")),
