@@ -34,17 +34,19 @@ Kernels:
   e's rows (start and end read from the offsets on the device); for dW_down, A = a is
   recomputed from the saved gate|up inside the operand load. Fixed summation order, no atomics:
   bitwise deterministic.
+Tiles (`_config`) are not timed on a GPU yet; compiled for sm_90 in the tests at the Mixtral
+launch's specialisations, all six launches use wgmma, pipeline their loads and do not spill.
 
-Saved for the backward: x and h = [gate|up] ([N, 2I], rounded to the input dtype). Not a (the
-activation, [N, I]): it is recomputed from h where the backward needs it, elementwise and free
-next to the GEMMs. Not recomputing h (x @ W_gate_up, 1/3 of the forward's FLOPs) is the other
-choice; keeping it costs 2I elements per row, against 3I (gate|up and a) that the
-`_grouped_mm` + `swiglu_packed` path saves. At Mixtral's layer (4096 rows, I 2816, bf16):
-46 MB saved per layer here, 69 MB on the `_grouped_mm` path.
+Saved for the backward: x and h = [gate|up] ([N, 2I], rounded to the input dtype), not a (the
+activation, [N, I]), which the backward recomputes from h elementwise inside its loads, free
+next to the GEMMs. That is 2I elements per row against the 3I (gate|up and a) the
+`_grouped_mm` + `swiglu_packed` path saves; at Mixtral's layer (4096 rows, I 2816, bf16) 46 MB
+per layer against 69 MB. Recomputing h as well would save those 46 MB for x @ W_gate_up again
+in the backward (2/3 of the forward's FLOPs); not done.
 
 Numerics: fp32 accumulation everywhere; `tl.dot(..., input_precision="ieee")` so fp32 inputs
-stay fp32 (no TF32; accepted by Triton 3.6 and 3.9; bf16/fp16 use their tensor-core MMA with
-fp32 accumulation either way). The epilogue rounds gate|up to the input dtype before the
+stay fp32 (no TF32; "ieee" is accepted since Triton 3.0, run here on 3.9 only); bf16/fp16 use
+their tensor-core MMA with fp32 accumulation either way. The epilogue rounds gate|up to the input dtype before the
 activation, so the forward's a is exactly the a the backward recomputes from the saved h (and
 the rounding is the one the `_grouped_mm` path does).
 """
