@@ -181,6 +181,16 @@ def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
+def _symbolic_rows(hidden: torch.Tensor) -> bool:
+    """Whether the op body is being traced with a symbolic token count (torch.compile's dynamic
+    shapes, automatic from a second batch shape on). Tracing the chunk loop (N / C iterations)
+    would pin N (AOTAutograd adds the guard N == n), so each new token count would compile again
+    until Dynamo's recompile limit (8) leaves the frame to run eagerly. The body then calls itself
+    as an opaque op instead: one node for any N, run as the custom op did before it was a
+    triton_op."""
+    return isinstance(hidden.shape[0], torch.SymInt)
+
+
 def _lce_fwd(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -199,6 +209,11 @@ def _lce_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row fp32 losses [N] and, as requested, grad_hidden, grad_weight, grad_bias (scaled by
     grad_scale; empty [0] tensors for the ones not requested)."""
+    if _symbolic_rows(hidden):
+        return torch.ops.kprof.linear_cross_entropy_fwd_dynamic(
+            hidden, weight, bias, target, grad_scale, ignore_index, label_smoothing, z_loss, softcap,
+            need_gh, need_gw, need_gb, chunk_size, accum_fp32,
+        )
     loss_rows, gh, gw, gb = _lce_launch(
         hidden, weight, bias, target, grad_scale, ignore_index, label_smoothing, z_loss, softcap,
         need_gh, need_gw, need_gb, chunk_size, accum_fp32,
@@ -206,14 +221,10 @@ def _lce_fwd(
     return loss_rows, _or_empty(gh, hidden), _or_empty(gw, weight), _or_empty(gb, weight)
 
 
-_lce_fwd_op = kernel_op("kprof::linear_cross_entropy_fwd")(_lce_fwd)
-
-
 # Shapes-only fakes: Dynamo runs these instead of the bodies (which check target values and size
 # their chunks from free memory).
-@_lce_fwd_op.register_fake
-def _(hidden, weight, bias, target, grad_scale, ignore_index, label_smoothing, z_loss, softcap,
-      need_gh, need_gw, need_gb, chunk_size, accum_fp32):
+def _lce_fwd_fake(hidden, weight, bias, target, grad_scale, ignore_index, label_smoothing, z_loss, softcap,
+                  need_gh, need_gw, need_gb, chunk_size, accum_fp32):
     return (
         hidden.new_empty(hidden.shape[0], dtype=torch.float32),
         hidden.new_empty(hidden.shape) if need_gh else hidden.new_empty(0),
@@ -240,6 +251,11 @@ def _lce_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """reduction='none' backward: recompute the chunk logits and the grads, token t's scaled by
     grad_rows[t]."""
+    if _symbolic_rows(hidden):
+        return torch.ops.kprof.linear_cross_entropy_bwd_dynamic(
+            hidden, weight, bias, target, grad_rows, ignore_index, label_smoothing, z_loss, softcap,
+            need_gh, need_gw, need_gb, chunk_size, accum_fp32,
+        )
     _, gh, gw, gb = _lce_launch(
         hidden, weight, bias, target, grad_rows.to(torch.float32).contiguous(), ignore_index,
         label_smoothing, z_loss, softcap, need_gh, need_gw, need_gb, chunk_size, accum_fp32,
@@ -247,17 +263,22 @@ def _lce_bwd(
     return _or_empty(gh, hidden), _or_empty(gw, weight), _or_empty(gb, weight)
 
 
-_lce_bwd_op = kernel_op("kprof::linear_cross_entropy_bwd")(_lce_bwd)
-
-
-@_lce_bwd_op.register_fake
-def _(hidden, weight, bias, target, grad_rows, ignore_index, label_smoothing, z_loss, softcap,
-      need_gh, need_gw, need_gb, chunk_size, accum_fp32):
+def _lce_bwd_fake(hidden, weight, bias, target, grad_rows, ignore_index, label_smoothing, z_loss, softcap,
+                  need_gh, need_gw, need_gb, chunk_size, accum_fp32):
     return (
         hidden.new_empty(hidden.shape) if need_gh else hidden.new_empty(0),
         weight.new_empty(weight.shape) if need_gw else weight.new_empty(0),
         weight.new_empty(weight.shape[0]) if need_gb else weight.new_empty(0),
     )
+
+
+kernel_op("kprof::linear_cross_entropy_fwd")(_lce_fwd).register_fake(_lce_fwd_fake)
+kernel_op("kprof::linear_cross_entropy_bwd")(_lce_bwd).register_fake(_lce_bwd_fake)
+# The bodies as opaque ops, for a symbolic token count (`_symbolic_rows`).
+torch.library.custom_op("kprof::linear_cross_entropy_fwd_dynamic", _lce_fwd, mutates_args=()).register_fake(
+    _lce_fwd_fake)
+torch.library.custom_op("kprof::linear_cross_entropy_bwd_dynamic", _lce_bwd, mutates_args=()).register_fake(
+    _lce_bwd_fake)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -529,6 +550,8 @@ SPEC = register(
             # or the forward of reduction='none') the op does 1 GEMM.
             "kprof::linear_cross_entropy_fwd": _op_cost,
             "kprof::linear_cross_entropy_bwd": _op_cost,
+            "kprof::linear_cross_entropy_fwd_dynamic": _op_cost,
+            "kprof::linear_cross_entropy_bwd_dynamic": _op_cost,
         },
     )
 )

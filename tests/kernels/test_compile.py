@@ -292,7 +292,16 @@ CALLS = {
 # build of torch lacks: these bodies are traced on the GPU only; here they are checked registered.
 NOT_HERE = {"layer_norm_fwd", "layer_norm_bwd", "swiglu_packed_fwd", "swiglu_packed_bwd", "geglu_packed_fwd",
             "geglu_packed_bwd"}
-for name, (op, args) in CALLS.items():
+# linear+CE with a symbolic token count, as torch.compile's dynamic shapes trace it: make_fx's
+# symbolic mode fakes these (real) meta tensors itself.
+sh, sw, st = torch.empty(4, 16, **meta), torch.empty(37, 16, **meta), torch.zeros(4, dtype=torch.int64, device="meta")
+SYMBOLIC = {
+    "linear_cross_entropy_fwd@symbolic": (K.linear_cross_entropy_fwd, (sh, sw, None, st, torch.ones((), device="meta"),
+                                           -100, 0.0, 0.0, 0.0, True, True, False, 2, False,)),
+    "linear_cross_entropy_bwd@symbolic": (K.linear_cross_entropy_bwd, (sh, sw, None, st, st.float(),
+                                           -100, 0.0, 0.0, 0.0, True, True, False, 2, False,)),
+}
+for name, (op, args) in [*CALLS.items(), *SYMBOLIC.items()]:
     if name in NOT_HERE and not REFUSE:  # (refused, only their shapes-only fakes are traced)
         print(name, "triton_op" if f"kprof::{name}" in torch._library.triton.triton_ops_to_kernels else "-", "-", "-")
         continue
@@ -304,8 +313,12 @@ for name, (op, args) in CALLS.items():
             full[i] = t
         return op(*full)
 
-    with fm:
-        gm = make_fx(dispatch_functionalize(call))(*(args[i] for i in tensors))
+    traced = (args[i] for i in tensors)
+    if name in SYMBOLIC:
+        gm = make_fx(dispatch_functionalize(call), tracing_mode="symbolic")(*traced)
+    else:
+        with fm:
+            gm = make_fx(dispatch_functionalize(call))(*traced)
     kernels, opaque, matmuls = [], [], []
     for n in gm.graph.nodes:
         if "triton_kernel_wrapper" in str(n.target):
@@ -353,6 +366,9 @@ TRITON_OP_MATMULS = {
     "linear_cross_entropy_fwd": "addmm,mm,mm,addmm,addmm,mm",
     "linear_cross_entropy_bwd": "mm,mm,mm,mm,addmm,mm",
 }
+# With a symbolic token count linear+CE's bodies call themselves as opaque ops
+# (`fused_linear_cross_entropy._symbolic_rows`): one node, no guard pinning N.
+SYMBOLIC_LCE = {f"linear_cross_entropy_{d}@symbolic": f"linear_cross_entropy_{d}" for d in ("fwd", "bwd")}
 
 
 # slow: a subprocess tracing every op (~5 s on 2 cores); on the GPU the Inductor test below checks it
@@ -364,6 +380,8 @@ def test_ops_are_triton_ops_that_trace_into_their_kernels():
     for name in ("layer_norm_fwd", "layer_norm_bwd", "swiglu_packed_fwd", "swiglu_packed_bwd", "geglu_packed_fwd",
                  "geglu_packed_bwd"):  # registered as triton_ops; traced by the GPU test only (NOT_HERE)
         want[name] = ("triton_op", "-", "-")
+    for name, op in SYMBOLIC_LCE.items():
+        want[name] = ("-", f"kprof.{op}_dynamic.default", "-")
     assert got == want
 
 
@@ -385,7 +403,8 @@ def test_refused_triton_ops_fall_back_to_opaque_custom_ops():
     got = _traced_ops("refuse")
     warned = set(got.pop("warned")[0].split(","))
     assert {f"kprof::{name}" for name in TRITON_OP_KERNELS} <= warned
-    assert got == {name: ("-", f"kprof.{name}.default", "-") for name in TRITON_OP_KERNELS}
+    want = {name: ("-", f"kprof.{name}.default", "-") for name in TRITON_OP_KERNELS}
+    assert got == want | {name: want[op] for name, op in SYMBOLIC_LCE.items()}
 
 
 @gpu
@@ -411,3 +430,21 @@ def test_inductor_fullgraph_launches_the_kernels(name, dtype):
         for kernel in TRITON_OP_KERNELS[op].split(","):
             assert kernel in code, (op, kernel)
     assert "torch.ops.kprof" not in code
+
+
+@gpu
+def test_inductor_linear_cross_entropy_any_token_count():
+    """Token counts 6, 7, 9, 5 compile twice (static, then dynamic from the second shape on), not
+    once each: with a symbolic N the op body runs as one opaque op (`_symbolic_rows`)."""
+    from torch._dynamo.utils import counters
+
+    _, _, call, _, _ = _build("linear_cross_entropy", "cuda", torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(call, backend="inductor", fullgraph=True)
+    for n in (6, 7, 9, 5):
+        grads, consts = _lce_inputs("cuda", torch.bfloat16)
+        grads[0], consts[0] = _t(n, 16, device="cuda"), _targets(n, 37, "cuda")
+        for a, b in zip(_run(compiled, grads, consts), _run(call, grads, consts)):
+            assert_close(a, b, dtype=b.dtype)
+    assert counters["stats"]["unique_graphs"] == 2
