@@ -175,9 +175,10 @@ def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # Registered ops (common.kernel_op). The op is the whole chunk loop, not one op per chunk: under
 # torch.compile Dynamo keeps one node whatever the chunk count (its fake is shapes only), and
-# AOTAutograd traces the body into the chunks' aten matmuls (which Inductor hands to cuBLAS or its
-# own GEMM templates) and `triton_kernel_wrapper_functional` launches of the CE kernel, which
-# Inductor launches itself. In eager mode the autograd.Function calls `_lce_launch` directly.
+# AOTAutograd traces the body (for a static token count, see `_symbolic_rows`) into the chunks'
+# aten matmuls (which Inductor hands to cuBLAS or its own GEMM templates) and
+# `triton_kernel_wrapper_functional` launches of the CE kernel, which Inductor launches itself. In
+# eager mode the autograd.Function calls `_lce_launch` directly.
 # ----------------------------------------------------------------------------------------------
 
 
@@ -186,8 +187,8 @@ def _symbolic_rows(hidden: torch.Tensor) -> bool:
     shapes, automatic from a second batch shape on). Tracing the chunk loop (N / C iterations)
     would pin N (AOTAutograd adds the guard N == n), so each new token count would compile again
     until Dynamo's recompile limit (8) leaves the frame to run eagerly. The body then calls itself
-    as an opaque op instead: one node for any N, run as the custom op did before it was a
-    triton_op."""
+    as an opaque op instead: one node for any N, which Inductor calls through the dispatcher (the
+    CE kernels then launch from Python, as in eager mode)."""
     return isinstance(hidden.shape[0], torch.SymInt)
 
 
