@@ -343,6 +343,34 @@ def test_custom_ops_opcheck(device):
     assert dw.dtype == torch.float32 and dw.shape == (33,) and db.shape == (0,)
 
 
+def test_eager_path_launches_directly(monkeypatch, device):
+    """Eager fwd+bwd: no kprof:: op through the dispatcher, the three kernels launched directly,
+    and no aten op but the allocations and the rstd row of stats (a view, the kernels' RSTD
+    pointer): as rms_norm's (test_rms_norm.py::test_eager_path_launches_directly)."""
+    from test_softmax import _LaunchLog, _OpLog
+
+    launches: list[str] = []
+    for mod, name in ((layer_norm_module, "_layer_norm_fwd_kernel"), (layer_norm_module, "_layer_norm_bwd_kernel"),
+                      (rms_norm_module, "_partials_sum_kernel")):
+        monkeypatch.setattr(mod, name, _LaunchLog(name, launches))
+    x, w, b = (t.requires_grad_() for t in _inputs((4, 3, 32), torch.bfloat16, device))
+    dy = torch.randn(4, 3, 32, device=device, dtype=torch.bfloat16)
+
+    def fwd_bwd():
+        x.grad = w.grad = b.grad = None  # no accumulation ops
+        layer_norm(x, w, b).backward(dy)
+
+    fwd_bwd()  # the first call of a shape builds its launch plans
+    launches.clear()
+    with _OpLog() as log:
+        fwd_bwd()
+    assert launches == ["_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel", "_partials_sum_kernel"]
+    allocs = ["aten.empty_like.default", "aten.empty.memory_format", "aten.select.int"]  # y, stats, rstd
+    allocs += ["aten.empty_like.default"] + ["aten.empty.memory_format"] * 2 + ["aten.select.int"]  # dx, partials
+    allocs += ["aten.empty.memory_format"] * 2  # dw, db
+    assert [op for op in log.ops if op != "aten.detach.default"] == allocs, log.ops
+
+
 def test_module_rejects_multi_dim_shapes(device):
     with pytest.raises(KprofError, match="last dim only"):
         LayerNorm((4, 8))
