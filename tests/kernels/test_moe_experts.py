@@ -35,10 +35,8 @@ CASES = [
 def test_matches_reference(counts, h, i, dtype, device):
     x, _, wgu, wd, _ = inputs(counts, h, i, dtype, device)
     assert X.grouped_mm_backend(x, wgu, wd) == "grouped_mm"
-    # At the GPU shape the grads are sums over 512 rows: per expert in Frobenius norm (see
-    # test_moe_grouped_gemm.py); the CPU shapes agree elementwise (the same GEMMs and activation).
-    check_matches_reference(X.moe_experts, counts, h, i, dtype, device, ref_in_fp64=False,
-                            grads_fro=max(counts or (0,)) > 64)
+    # weight grads are sums over each expert's rows (512 at the Mixtral shape): see assert_close_sum
+    check_matches_reference(X.moe_experts, counts, h, i, dtype, device, ref_in_fp64=False)
 
 
 def test_misaligned_runs_the_triton_grouped_gemm(device):
