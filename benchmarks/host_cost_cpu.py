@@ -6,17 +6,19 @@ beside the aten code each kernel replaces.
 
 Reproduces benchmarks/results/host-cost-cpu-stubbed.csv, the CPU proxy of issue 19's table
 (benchmarks/host_cost_per_kernel.py, H200 host; same cases, same chain): the part of each
-call kprof controls, its Python wrapper (checks, launch plans, output allocations, views,
-the autograd.Function, the dispatch decision), not the launches, which need a GPU. It is
-not the GPU host's figure: a real launch adds ~24 us per kernel on the H200 host
-(benchmarks/results/host-overhead-h200-20261129.txt), and this CPU is not that host.
+call kprof controls, its Python wrapper (checks, launch plans, output allocations, views, the
+dispatch decision) with the autograd.Function and engine work it goes through, not the
+launches, which need a GPU. It is not the GPU host's figure: a real launch adds ~24 us per
+kernel on the H200 host (benchmarks/results/host-overhead-h200-20261129.txt), that host's CPU
+is not this one, and here (CPU tensors) `use_triton` reads TRITON_INTERPRET once per call,
+which a CUDA tensor skips; the stub's own call (~2-4 us a launch) stays in.
 
 Method. TRITON_INTERPRET=1 so CPU tensors take the Triton path; each kernel module's Triton
 kernels are replaced by a stub whose `[grid](...)` does nothing, so everything around the launch
 still runs. The aten rows run aten's real CPU compute on the tiny tensors (8 rows of 256,
 bf16), so they include a little arithmetic kprof's stubbed rows do not. One measurement is a
-chain of `--chain` calls summed into one loss and one `backward()`; the kernel's impls and an
-identity chain are timed in turn within each repeat (interleaved, as other processes share
+chain of `--chain` calls summed into one loss and one `backward()`; every kernel's impls and
+an identity chain are timed in turn within each repeat (interleaved, as other processes share
 the cores; and timed in process CPU time, which time spent descheduled does not inflate), and
 host us per call = (median chain time - median identity chain time) / chain.
 To compare two trees, run this script from each in turn, several rounds (`--label` names the
@@ -82,21 +84,24 @@ def _chain_once(call, inputs) -> float:
 def measure(names, chain: int, repeats: int) -> list[dict]:
     _stub_kernels()
     torch.set_num_threads(1)
-    rows = []
+    calls = {}  # (kernel, impl) -> (call, its chain of inputs)
     for name, case in _cases(torch.device("cpu")).items():
-        if name not in names:
-            continue
-        calls = {"kprof": case["kprof"], "aten": case["aten"], "identity": lambda i: i[0]}
-        inputs = {impl: [case["inputs"]() for _ in range(chain)] for impl in calls}
-        times = {impl: [] for impl in calls}
-        for r in range(5 + repeats):
-            for impl, call in calls.items():
-                t = _chain_once(call, inputs[impl])
-                if r >= 5:  # the first 5: warm-up
-                    times[impl].append(t)
-        base = statistics.median(times["identity"])
+        if name in names:
+            for impl, call in (("kprof", case["kprof"]), ("aten", case["aten"]), ("identity", lambda i: i[0])):
+                calls[name, impl] = call, [case["inputs"]() for _ in range(chain)]
+    # Repeats outermost: a burst of load from other processes then lands on every kernel and
+    # impl alike instead of on the one being measured.
+    times = {key: [] for key in calls}
+    for r in range(5 + repeats):
+        for key, (call, inputs) in calls.items():
+            t = _chain_once(call, inputs)
+            if r >= 5:  # the first 5: warm-up
+                times[key].append(t)
+    rows = []
+    for name in dict.fromkeys(k for k, _ in calls):
+        base = statistics.median(times[name, "identity"])
         for impl in ("kprof", "aten"):
-            us = (statistics.median(times[impl]) - base) / chain * 1e6
+            us = (statistics.median(times[name, impl]) - base) / chain * 1e6
             rows.append({"kernel": name, "impl": impl, "us": round(us, 1)})
     return rows
 
