@@ -247,7 +247,7 @@ def _bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, act: int) -> tup
     bm, bn, warps = _bwd_plan(n_rows, n)
     n_col_blocks = cdiv(n, bn)
     n_groups = _n_groups(x, cdiv(n_rows, bm), n_col_blocks)
-    partial = torch.empty((n_groups, n), dtype=torch.float64, device=x.device)
+    partial = torch.empty(n_groups, n, dtype=torch.float64, device=x.device)  # sizes as ints: see new_out
     with device_ctx(x):
         launch(_bias_gelu_bwd_kernel, (n_col_blocks, n_groups),
             dy2, x2, b, dx, partial, n_rows, n, sdy, sx, n,

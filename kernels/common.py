@@ -265,8 +265,10 @@ def rows_and_stride(t: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, int]:
 
 def new_out(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A new contiguous tensor of t's shape, on t's device, in `dtype` (default t's): a kernel's
-    output. empty_like, not torch.empty(t.shape, dtype=, device=): 1.3 us against 2.7-4 us of
-    argument parsing on the dev CPU, per output of every eager call (benchmarks/host_cost_cpu.py)."""
+    output. empty_like, not torch.empty(t.shape, dtype=, device=): 2.2 us against 4.9 us (its
+    size argument's parsing) on the dev CPU, per output of every eager call. Other allocations
+    on the eager path pass their sizes as ints, not a tuple or torch.Size: 2.5 against 5.1 us
+    for `torch.empty(x.shape[:-1], ...)`, 2.7 against 3.5 us for 2-D (medians of 15 x 3000)."""
     return torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format)
 
 

@@ -37,6 +37,7 @@ from kprof.kernels.common import (
     launch,
     new_out,
     num_warps,
+    numel,
     require_triton,
     rows_and_stride,
     rows_cols,
@@ -376,15 +377,15 @@ def _forward_config(n_cols: int) -> RowConfig:
 
 
 def _launch_fwd(x, weight, bias, eps):
-    """(y, stats): stats is fp32 [3, *x.shape[:-1]], per row the mean as a (hi, lo) pair
-    (_store_mean_pair) and rstd. One tensor, one allocation: the host's cost per call is what
-    the eager wall time is made of (see common.via_custom_op). As rms_norm's launchers:
-    contiguous tensors passed as they are, plans cached per shape."""
+    """(y, stats): stats is fp32 [3, rows] (the op views it as [3, *x.shape[:-1]]), per row the
+    mean as a (hi, lo) pair (_store_mean_pair) and rstd. One tensor, one allocation: the host's
+    cost per call is what the eager wall time is made of (see common.via_custom_op). As
+    rms_norm's launchers: contiguous tensors passed as they are, plans cached per shape."""
     n_cols = x.shape[-1]
     y = new_out(x)
-    stats = torch.empty((3, *x.shape[:-1]), dtype=torch.float32, device=x.device)
-    n_rows = x.numel() // n_cols if n_cols else 0
-    if n_rows == 0:
+    n_rows = x.numel() // n_cols if n_cols else numel(x.shape[:-1])
+    stats = torch.empty(3, n_rows, dtype=torch.float32, device=x.device)  # sizes as ints (see new_out); the op views it
+    if n_rows == 0 or n_cols == 0:
         return y, stats.fill_(math.nan)  # moments of an empty row are undefined
     x2, sx = rows_and_stride(x, n_cols)
     cfg = _forward_config(n_cols)
@@ -416,8 +417,8 @@ def _launch_bwd(dy, x, weight, stats, dw_dtype, db_dtype):
     x2, sx = rows_and_stride(x, n_cols)
     plan = backward_plan(n_rows, n_cols, x.dtype, x.device, sm_count(x.device), BWD_BLOCK_ELEMS, BWD_MAX_WARPS)
     cfg, n_programs = plan.cfg, plan.n_programs
-    dw_part = torch.empty((n_programs, n_cols) if compute_dw else (1,), dtype=plan.part_dtype, device=x.device)
-    db_part = torch.empty((n_programs, n_cols) if compute_db else (1,), dtype=plan.part_dtype, device=x.device)
+    dw_part = torch.empty(n_programs if compute_dw else 1, n_cols, dtype=plan.part_dtype, device=x.device)
+    db_part = torch.empty(n_programs if compute_db else 1, n_cols, dtype=plan.part_dtype, device=x.device)
     # Per-row scratch (c1, c2) for the looped path only; otherwise never touched, and stats (fp32
     # too) stands in, as in rms_norm.
     c = torch.empty(2 * n_rows, dtype=torch.float32, device=x.device) if cfg.loop else stats
@@ -452,7 +453,8 @@ def _layer_norm_fwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (y, stats): stats fp32 [3, *x.shape[:-1]] = (mean hi, mean lo, rstd) per row."""
     require_triton(x, "layer_norm")
-    return _launch_fwd(x, weight, bias, eps)
+    y, stats = _launch_fwd(x, weight, bias, eps)
+    return y, stats.view(3, *x.shape[:-1])
 
 
 @_layer_norm_fwd_op.register_fake
