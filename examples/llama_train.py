@@ -7,6 +7,7 @@ weights, grads, AdamW state and activations of a 4 x 2048-token batch without ch
 
     python examples/llama_train.py --preset tiny
     kprof profile examples/llama_train.py -- --preset 1b --device cuda
+    kprof apply examples/llama_train.py -- --preset 1b --device cuda --compile   # patches vs compile alone
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every-layer", action="store_true",
                    help="Hugging Face's gradient checkpointing on every decoder layer (the usual memory fix, "
                         "to compare with the layers kprof picks)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (default mode, Inductor): `kprof apply` then times its patches "
+                        "under this compile, against compile alone")
     return p.parse_args(argv)
 
 
@@ -71,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     model.train()
     if args.checkpoint_every_layer:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.compile:
+        model = torch.compile(model)  # parameters and config reached through the wrapper
     # fused=True: AdamW in one multi-tensor kernel per step (CUDA and CPU); probe, don't version-check.
     fused = "fused" in inspect.signature(torch.optim.AdamW).parameters
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, **({"fused": True} if fused else {}))

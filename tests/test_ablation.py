@@ -296,20 +296,21 @@ for _ in range(40):
 """
 
 
-def test_compiled_script_declines_the_ablation(tmp_path):
+def test_compiled_script_is_ablated_under_its_compile(tmp_path):
+    # kprof + compile against compile alone (tests/test_ablation_compiled.py has the details)
     from kprof.patching.apply import apply
 
     script = tmp_path / "compiled.py"
     script.write_text(_COMPILED)
     root = tmp_path / "runs"
     profile_script(str(script), [], warmup=1, steps=2, out_root=root)
-    res = apply(str(script), patch="layer_norm", out_root=root)
-    assert res.ablation is None and "compiles its model" in res.declined
-    assert res.kept == [] and res.write_lines == ""
+    res = apply(str(script), patch="layer_norm", out_root=root, steps=16)
+    assert res.declined is None and res.ablation.warm_blocks == ab.WARM_BLOCKS_COMPILED
+    assert res.ablation.blocks == 6 and res.to_dict()["ablation_declined"] is None
     (row,) = res.suggestions.to_dict("records")
-    assert row["verdict"] == "not measured" and not row["kept"]
-    assert "--compare" in res.recommendation
-    assert res.to_dict()["ablation_declined"] == res.declined
+    assert row["n"] == 6 and row["verdict"] in ("kept", "dropped", "undecided")
+    c = res.to_dict()["compiled"]
+    assert c["active"] == res.kept and [r["id"] for r in c["stepped_aside"]] == ([] if res.kept else ["layer_norm"])
 
 
 def test_code_change_named_is_the_largest_time_saving():

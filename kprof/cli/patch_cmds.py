@@ -183,6 +183,13 @@ def _render_ablation(res, out: Console) -> None:
                   "paired sign test, 95% interval")
     elif res.declined:
         out.print(f"[yellow]ablation declined:[/yellow] {escape(res.declined)}")
+    c = res.compiled
+    if c is not None:
+        # The script compiles its model: every figure below is kprof + compile against compile.
+        out.print("[bold]active under compile[/bold]: " + escape(", ".join(c["active"]) or "none"))
+        for r in c["stepped_aside"]:
+            out.print(Text(f"stepped aside under compile: {r['id']} ({r['verdict']}, saving "
+                           f"{_f(r['measured_saving_ms'], '{:.3g}')} ms/step)"))
     style = {"kept": "green", "dropped": "red"}
     for r in res.suggestions.to_dict("records"):
         st = style.get(r["verdict"], "yellow")

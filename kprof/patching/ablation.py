@@ -8,6 +8,17 @@ runs every configuration once, in a shuffled order), so drift (clocks, thermals,
 settling) hits every configuration alike. The first block is a warm block and is not counted: it
 is the first time the unpatched code of a group runs at full speed after verification.
 
+Compiled scripts. When the script compiles its model, each configuration is a distinct set of
+patched forwards inside the compiled frames: Dynamo guards on the forwards it inlined, so a switch
+compiles that configuration once and later steps of it run from Dynamo's cache, the guards
+selecting the entry. Compile time is kept out of the counted steps: WARM_BLOCKS_COMPILED warm
+blocks run every configuration twice first (the first run compiles, forward and backward; CUDA
+graph trees, under mode="reduce-overhead", record a graph at its second run), and a counted step
+during which anything compiled all the same is not counted (`decide`'s `skip`). Each
+configuration adds a cache entry per compiled frame, so kprof/patching/apply.py raises Dynamo's
+recompile limit by the number of configurations for the run; a frame that hits the limit anyway
+runs uncompiled, its times are not compile's, and the ablation is declined.
+
 Groups. A group is one rule id with all its matched modules. Two rules are measured as one group
 when their patches interact structurally:
   * nested: one patch's module is inside another's (a module path is a dotted prefix of the
@@ -49,7 +60,7 @@ import math
 import random
 import statistics
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 CONFIDENCE = 0.95
 MIN_BLOCKS = 6  # the fewest blocks for which a 95% sign-test interval can exclude 0 (2/64 = 0.031)
@@ -58,6 +69,7 @@ MIN_BLOCKS = 6  # the fewest blocks for which a 95% sign-test interval can exclu
 # undecided (2.44 +- 2.47 ms) in the next, and a 1B block costs ~0.5 s (5 configs x 100 ms).
 DEFAULT_BLOCKS = 20
 WARM_BLOCKS = 1  # not counted: the unpatched code's first full-speed run after verification
+WARM_BLOCKS_COMPILED = 2  # a compiled script: each configuration's compile, then its graphs' recording
 MEMORY_MIN_FRACTION = 0.01  # a memory saving below 1% of the peak is noise in the allocator's rounding
 ALL_ON, ALL_OFF = "all on", "all off"
 
@@ -85,21 +97,21 @@ def configs(groups: Sequence[str]) -> list[Config]:
     return out
 
 
-def steps_needed(n_groups: int, blocks: int = DEFAULT_BLOCKS) -> int:
-    return (blocks + WARM_BLOCKS) * len(configs([str(i) for i in range(n_groups)]))
+def steps_needed(n_groups: int, blocks: int = DEFAULT_BLOCKS, warm: int = WARM_BLOCKS) -> int:
+    return (blocks + warm) * len(configs([str(i) for i in range(n_groups)]))
 
 
-def blocks_within(budget_steps: int, n_groups: int) -> int:
-    """The counted blocks that fit in `budget_steps` timed steps (warm block included)."""
-    return max(0, budget_steps // len(configs([str(i) for i in range(n_groups)])) - WARM_BLOCKS)
+def blocks_within(budget_steps: int, n_groups: int, warm: int = WARM_BLOCKS) -> int:
+    """The counted blocks that fit in `budget_steps` timed steps (`warm` warm blocks included)."""
+    return max(0, budget_steps // len(configs([str(i) for i in range(n_groups)])) - warm)
 
 
-def schedule(groups: Sequence[str], blocks: int, seed: int = 0) -> list[Config]:
-    """The configuration of each timed step: WARM_BLOCKS + `blocks` blocks, each a shuffled
+def schedule(groups: Sequence[str], blocks: int, seed: int = 0, warm: int = WARM_BLOCKS) -> list[Config]:
+    """The configuration of each timed step: `warm` + `blocks` blocks, each a shuffled
     permutation of configs(groups). Seeded: the same plan gives the same order."""
     rng = random.Random(seed)
     out: list[Config] = []
-    for _ in range(WARM_BLOCKS + blocks):
+    for _ in range(warm + blocks):
         block = configs(groups)
         rng.shuffle(block)
         out += block
@@ -217,6 +229,8 @@ class Ablation:
     # every counted step's time per configuration, in block order: the noise itself, to read where
     # a wide interval comes from (one slow block, or a drift across the run)
     times_by_config: dict[str, list[float]] = field(default_factory=dict)
+    warm_blocks: int = WARM_BLOCKS
+    skipped: list[int] = field(default_factory=list)  # counted steps left out (something compiled in them)
 
     def decision(self, rule: str) -> Decision | None:
         return next((d for d in self.decisions if rule in d.group), None)
@@ -264,20 +278,24 @@ def _judge(group: tuple[str, ...], diffs: list[float], mem: list[float], peak_on
 
 
 def decide(groups: Sequence[tuple[str, ...]], steps: Sequence[Config], times_ms: Sequence[float],
-           peaks: Sequence[float | None] | None = None, *, prefer: str = "time") -> Ablation:
-    """Verdicts from the timed steps. `steps[i]` is the configuration step i ran (schedule()),
-    `times_ms[i]` its time and `peaks[i]` its peak memory in bytes (None: not measured). Steps
-    past len(times_ms) did not run (the script ended early); blocks missing a configuration
-    still count for the pairs they hold."""
+           peaks: Sequence[float | None] | None = None, *, prefer: str = "time", warm: int = WARM_BLOCKS,
+           skip: Collection[int] = ()) -> Ablation:
+    """Verdicts from the timed steps. `steps[i]` is the configuration step i ran (schedule() with
+    the same `warm`), `times_ms[i]` its time and `peaks[i]` its peak memory in bytes (None: not
+    measured). Steps past len(times_ms) did not run (the script ended early) and steps in `skip`
+    are not counted (Dynamo compiled during them: compile time is not step time); blocks missing a
+    configuration still count for the pairs they hold."""
     if prefer not in ("time", "memory"):
         raise ValueError(f"prefer must be 'time' or 'memory', got {prefer!r}")
     names = [group_name(g) for g in groups]
     k = len(configs(names))
     t: dict[tuple[int, str], float] = {}
     m: dict[tuple[int, str], float] = {}
+    skipped = sorted(i for i in set(skip) if warm * k <= i < min(len(times_ms), len(steps)))
+    left_out = set(skipped)
     for i, ms in enumerate(times_ms[: len(steps)]):
         b = i // k
-        if b < WARM_BLOCKS:
+        if b < warm or i in left_out:
             continue
         t[(b, steps[i].name)] = float(ms)
         if peaks is not None and i < len(peaks) and peaks[i] is not None:
@@ -303,7 +321,7 @@ def decide(groups: Sequence[tuple[str, ...]], steps: Sequence[Config], times_ms:
         by_peak.setdefault(c, []).append(v)
     return Ablation(list(map(tuple, groups)), decisions, total, len(full), min(len(times_ms), len(steps)),
                     {c: statistics.median(v) for c, v in by_conf.items()},
-                    {c: statistics.median(v) for c, v in by_peak.items()}, by_conf)
+                    {c: statistics.median(v) for c, v in by_peak.items()}, by_conf, warm, skipped)
 
 
 def batch_headroom(peak_before: float, peak_after: float, static: float) -> float | None:

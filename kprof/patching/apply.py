@@ -9,8 +9,15 @@ faster end to end, and say what wins instead. Library side; kprof/cli/patch_cmds
    them an error). From the first timed step on, the runner's `on_step` hook switches the patch
    groups between steps (all on, all off, each left out, in randomized blocks) and the paired
    sign test keeps the groups that are significantly faster. `steps` bounds the ablation's timed
-   steps. A script that compiles its model is not ablated (switching patches inside a compiled
-   model recompiles it): nothing is kept and `--compare` is recommended.
+   steps. A script that compiles its model is ablated under its own compile: the patches are
+   torch.library ops that Inductor launches itself, each configuration compiles once (Dynamo
+   guards on the patched forwards) and is re-used from Dynamo's cache, so kprof+compile is timed
+   against compile alone. Dynamo's recompile limits are raised by the configuration count for the
+   run and restored after; two warm blocks instead of one keep every configuration's compile out
+   of the counted steps (kprof/patching/ablation.py), and a counted step that compiled anyway is
+   not counted. The kept patches are "active under compile", the others "stepped aside under
+   compile" (compile's own fusion was not slower), each with its measured figure. A frame that
+   hits the recompile limit anyway ran uncompiled: the ablation is declined with that reason.
 3. The kept set alone is then profiled like the plan's run and saved as a new run: its
    unprofiled step median is `after_ms` and its first losses are checked against the plan's run.
 
@@ -24,6 +31,8 @@ import datetime as _dt
 import json
 import math
 import os
+import re
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +40,7 @@ from typing import Callable, Sequence
 
 import pandas as pd
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from kprof import store
 from kprof.analyze.profile import load_run, profile_script
@@ -39,6 +49,7 @@ from kprof.patching import ablation as ab
 from kprof.patching.install import OPTIMIZER_ID, check_rules, patch_optimizer
 from kprof.patching.install import patch as kpatch
 from kprof.plan.suggest import apply_entries, parse_ids, plan_for
+from kprof.rules.cuda_graphs import dynamo_graphs
 
 PREFER = ("time", "memory")
 ABLATION_WARMUP = 3  # untimed steps before the ablation's first: see apply()
@@ -58,7 +69,10 @@ class ApplyResult:
     write_lines: str
     notes: list[str] = field(default_factory=list)
     ablation: "ab.Ablation | None" = None
-    declined: str | None = None  # why no ablation ran (the script compiles its model)
+    declined: str | None = None  # why no ablation ran (e.g. Dynamo hit its recompile limit in a compiled script)
+    # The script compiles its model: the compile's cost to the ablation (_compile_cost) and the
+    # patches active under compile / stepped aside for it (_under_compile); None otherwise.
+    compiled: dict | None = None
     ablation_reports: list = field(default_factory=list)  # the ablation run's PatchReports
     kept: list[str] = field(default_factory=list)  # rule ids installed in the after run
     not_installed: list[dict] = field(default_factory=list)  # {"id", "why"}
@@ -107,6 +121,7 @@ class ApplyResult:
                     "saving_ms": a.total.saving_ms, "interval_ms": [a.total.lo_ms, a.total.hi_ms], "n": a.total.n,
                     "verdict": a.total.verdict}},
             "ablation_declined": self.declined,
+            "compiled": self.compiled,
             "steps": _recs(self.steps), "losses": _recs(self.losses), "losses_agree": self.losses_agree,
             "loss_tolerance": self.loss_tolerance, "loss_watch": self.watch,
             "records": {"ablation": [rec(r) for r in recs],
@@ -263,9 +278,70 @@ def write_lines(ids: Sequence[str], strict: bool, checkpoint: Sequence[str] = ()
 def _script_graphs() -> int:
     """Dynamo graphs compiled in this process, less those the cuda_graphs patch compiled: what
     the script's own torch.compile did."""
-    from kprof.rules.cuda_graphs import dynamo_graphs, graphs_compiled
+    from kprof.rules.cuda_graphs import graphs_compiled
 
     return dynamo_graphs() - graphs_compiled()
+
+
+def _compile_activity() -> int:
+    """A count that moves whenever torch.compile compiles anything in this process: Dynamo's
+    frames, AOTAutograd, Inductor's forward and the backward it compiles at the first backward
+    (one timing record each in torch._dynamo.utils.compilation_time_metrics); Dynamo's graph
+    count where that table moved."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+
+        return sum(len(v) for v in compilation_time_metrics.values())
+    except Exception:  # internals moved  # noqa: BLE001
+        return dynamo_graphs()
+
+
+_LIMIT_HIT = re.compile(r"recompile.?limit|cache.?size.?limit", re.IGNORECASE)
+
+
+def _limit_hits() -> int:
+    """How often Dynamo hit a recompile limit in this process; each time, the frame ran
+    uncompiled. Counted under its "unimplemented" stats by the limit's name ("Dynamo recompile
+    limit exceeded ... recompile_limit" on torch 2.13, "cache_size_limit reached" before)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return sum(n for k, n in counters["unimplemented"].items() if _LIMIT_HIT.search(k))
+
+
+def _recompile_whole() -> None:
+    """Drop Dynamo's compiled code so the script's frames compile again, now that the patches are
+    verified. A patch's first-call gate runs eagerly (torch.compiler.disable), a graph break; one
+    inside a loop (`for layer in self.layers`) made Dynamo skip the whole frame for good, leaving
+    per-layer graphs where compile alone has one (checked on torch 2.13): kprof + compile would
+    be timed against a compile the script never had."""
+    import torch._dynamo
+
+    getattr(torch._dynamo, "reset_code_caches", torch._dynamo.reset)()
+
+
+def _recompile_limits() -> dict[str, int]:
+    """Dynamo's per-frame and accumulated recompile limits, by their config names on this torch
+    (recompile_limit, else its older name cache_size_limit)."""
+    from torch._dynamo import config
+
+    names = [("recompile_limit", "cache_size_limit"), ("accumulated_recompile_limit", "accumulated_cache_size_limit")]
+    out = {}
+    for new, old in names:
+        name = new if hasattr(config, new) else old
+        if hasattr(config, name):
+            out[name] = int(getattr(config, name))
+    return out
+
+
+def _set_recompile_limits(limits: dict[str, int]) -> None:
+    from torch._dynamo import config
+
+    for name, v in limits.items():
+        setattr(config, name, v)
 
 
 class _Ablation:
@@ -290,8 +366,20 @@ class _Ablation:
         self.peaks: list[float | None] = []
         self.static: list[float] = []
         self.dynamo0 = _script_graphs()
+        self.hits_init = _limit_hits()
         self.cuda = False  # decided at the first timed step: per-step peak memory only on CUDA
-        self.max_steps = budget if budget is not None else ab.steps_needed(len(self.ids))
+        # Whether the script compiles its model is known only at the first timed step, after the
+        # runner's step count is set: room for the compiled case's extra warm block.
+        self.max_steps = (budget if budget is not None
+                          else ab.steps_needed(len(self.ids), warm=ab.WARM_BLOCKS_COMPILED))
+        self.compiled = False  # the script's own torch.compile ran before the timed steps
+        self.warm = ab.WARM_BLOCKS
+        self.limits: dict[str, int] = {}  # Dynamo's recompile limits before the ablation raised them
+        self.raised: dict[str, int] = {}
+        self.graphs0 = 0  # Dynamo's graph count at the first timed step
+        self.graphs = 0  # graphs compiled during the timed steps
+        self.hits0 = 0
+        self.activity: list[int] = []  # _compile_activity() at each timed step's start, and after the last
 
     def on_root(self, model) -> None:
         self.roots += 1
@@ -313,11 +401,9 @@ class _Ablation:
         """At the first timed step: groups, schedule; True stops the run (nothing to ablate)."""
         import torch
 
-        if _script_graphs() > self.dynamo0:
-            self.declined = ("the script compiles its model (torch.compile ran before the timed steps); switching "
-                             "patches inside a compiled model recompiles it at every switch, so the patches were not "
-                             "timed in-process")
-            return True
+        # A compile that hit the recompile limit before the timed steps compiled nothing, yet the
+        # script compiles its model.
+        self.compiled = _script_graphs() > self.dynamo0 or _limit_hits() > self.hits_init
         from kprof.rules import MEMORY_RULES, STEP_RULES, all_rules
 
         linked = [ids for rep in self.reports for ids in rep.toggle_sets()]
@@ -332,16 +418,47 @@ class _Ablation:
         if not self.groups:
             return True
         names = [ab.group_name(g) for g in self.groups]
+        self.warm = ab.WARM_BLOCKS_COMPILED if self.compiled else ab.WARM_BLOCKS
         self.blocks = (ab.DEFAULT_BLOCKS if self.budget is None
-                       else ab.blocks_within(self.budget, len(self.groups)))
-        self.plan = ab.schedule(names, self.blocks, seed=self.seed)
+                       else ab.blocks_within(self.budget, len(self.groups), self.warm))
+        self.plan = ab.schedule(names, self.blocks, seed=self.seed, warm=self.warm)
+        if self.compiled:
+            _recompile_whole()
+            # Every configuration adds one cache entry to each compiled frame it changes: raised
+            # by the configuration count, no frame reaches the limit on the ablation's account.
+            self.limits = _recompile_limits()
+            self.raised = {k: v + len(ab.configs(names)) for k, v in self.limits.items()}
+            _set_recompile_limits(self.raised)
+            self.hits0 = _limit_hits()
+            self.graphs0 = dynamo_graphs()
         self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         return False
+
+    def restore(self) -> None:
+        """Dynamo's recompile limits as they were before the ablation."""
+        _set_recompile_limits(self.limits)
+
+    def _limit_hit(self) -> bool:
+        """Dynamo hit its recompile limit since the first timed step: a frame ran uncompiled, so
+        the steps were not timed as compiled. Declined, with the reason."""
+        if not self.compiled or _limit_hits() == self.hits0:
+            return False
+        limit = ", ".join(f"{k} {v}" for k, v in self.raised.items())
+        self.declined = (f"Dynamo hit its recompile limit during the ablation ({limit}, raised by the "
+                         f"{len(ab.configs([ab.group_name(g) for g in self.groups]))} configurations for it), so a "
+                         "compiled frame ran uncompiled and the timings are not compile's; the script recompiles "
+                         "at other steps too (changing shapes or guarded values: TORCH_LOGS=recompiles names them)")
+        return True
 
     def on_step(self, i: int) -> bool:
         import torch
 
         if i == 0 and self._start():
+            return True
+        self.activity.append(_compile_activity())
+        self.graphs = dynamo_graphs() - self.graphs0 if self.compiled else 0
+        if self._limit_hit():
+            self.enable_all()
             return True
         if self.cuda:
             if i >= 1:
@@ -389,6 +506,46 @@ class _Ablation:
         for rep in self.reports:
             rep.enable_only(self.ids)
 
+    def compiled_steps(self) -> list[int]:
+        """The timed steps during which torch.compile compiled something."""
+        a = self.activity
+        return [i for i in range(len(a) - 1) if a[i + 1] != a[i]]
+
+
+def _compile_cost(abl: _Ablation, a: "ab.Ablation", times: Sequence[float]) -> dict:
+    """What a compiled script's ablation spent on compiling: its warm blocks (every
+    configuration's compile, then its second run), their time, and the part of it above those
+    configurations' counted medians (the compile itself)."""
+    n = min(len(times), abl.warm * len(ab.configs(abl.groups)))
+    warm_ms = float(sum(times[:n]))
+    run_ms = sum(a.config_ms.get(c.name, math.nan) for c in abl.plan[:n])
+    return {
+        "warm_blocks": abl.warm, "warm_steps": n,
+        "extra_warm_steps": (abl.warm - ab.WARM_BLOCKS) * len(ab.configs(abl.groups)),
+        "warm_s": warm_ms / 1e3, "compile_s": max(0.0, warm_ms - run_ms) / 1e3 if run_ms == run_ms else None,
+        "graphs": abl.graphs, "configurations": len(ab.configs(abl.groups)),
+        "compiled_steps": abl.compiled_steps(), "uncounted_steps": list(a.skipped),
+        "recompile_limit": {k: {"was": v, "during": abl.raised[k]} for k, v in abl.limits.items()},
+    }
+
+
+def _compile_note(c: dict) -> str:
+    spent = f", about {c['compile_s']:.3g} s of it compiling" if c["compile_s"] is not None else ""
+    limits = "; ".join(f"{k} {v['was']} -> {v['during']}" for k, v in c["recompile_limit"].items())
+    return (f"the script compiles its model: {c['graphs']} Dynamo graph(s) compiled for {c['configurations']} "
+            f"configurations in the {c['warm_blocks']} warm blocks ({c['warm_steps']} steps, {c['warm_s']:.3g} s"
+            f"{spent}; {c['extra_warm_steps']} steps more than an uncompiled script's ablation, within --steps); "
+            f"Dynamo's recompile limits raised for the ablation and restored after ({limits})")
+
+
+def _under_compile(frame: pd.DataFrame) -> dict:
+    """The patches active under the script's compile (kept) and those that stepped aside for
+    compile's own code, each with its measured figure."""
+    keys = ("id", "verdict", "measured_saving_ms", "measured_interval_ms", "n", "reason")
+    rows = frame.to_dict("records")
+    return {"active": [r["id"] for r in rows if r["kept"]],
+            "stepped_aside": [{k: r[k] for k in keys} for r in rows if not r["kept"]]}
+
 
 def _compile_figure(script: str, root) -> tuple[float, str] | None:
     """torch.compile's measured speed-up over eager for this script, from the latest
@@ -430,6 +587,12 @@ def recommend(res: ApplyResult, plan: dict, script: str, root) -> str:
     comp = _compile_figure(script, root)
     compile_txt = (f"torch.compile measured {comp[0]:.2f}x eager (run {comp[1]})" if comp else
                    f"measure torch.compile against these patches with `kprof apply {script} --compare`")
+    if res.compiled is not None:
+        # The ablation itself was kprof + compile against compile: no separate figure to point to.
+        aside = [r["id"] for r in res.compiled["stepped_aside"]]
+        compile_txt = ("timed under the script's own torch.compile: " +
+                       (f"{', '.join(aside)} stepped aside (compile's own code was not slower)" if aside
+                        else "every patch beat compile's own code"))
     diag = code_change(plan.get("diagnoses") or [], res.prefer)
     code = f"; code change: {diag['id']}: {diag.get('change') or diag.get('how')}" if diag else ""
     if res.declined:
@@ -614,6 +777,7 @@ def apply(
             warmup=ab_warmup, steps=abl.max_steps, on_root_module=abl.on_root, on_step=abl.on_step,
             on_optimizer=abl.on_optimizer if OPTIMIZER_ID in ids else None), progress=progress)
     finally:
+        abl.restore()
         for rep in abl.reports:  # RoPE patches a shared module namespace: leave the process as we found it
             rep.unpatch()
         for h in abl.hooks:
@@ -635,18 +799,26 @@ def apply(
         raise KprofError(f"{script} never called an nn.Module, so there was nothing to patch")
     notes: list[str] = []
     result_ablation = None
-    if abl.plan:
+    compiled = None
+    if abl.plan and abl.declined is None:
         times = list(raw.step_times_ms)
-        result_ablation = ab.decide(abl.groups, abl.plan, times, abl.peaks if abl.cuda else None, prefer=prefer)
+        result_ablation = ab.decide(abl.groups, abl.plan, times, abl.peaks if abl.cuda else None, prefer=prefer,
+                                    warm=abl.warm, skip=abl.compiled_steps())
         k = len(ab.configs(abl.groups))
-        notes.append(f"ablation: {result_ablation.steps} timed steps ({ab.WARM_BLOCKS} warm + {abl.blocks} blocks of "
+        notes.append(f"ablation: {result_ablation.steps} timed steps ({abl.warm} warm + {abl.blocks} blocks of "
                      f"{k} configurations, {len(abl.groups)} group(s)) after {ab_warmup} warm-up; --steps bounds it")
         if len(times) < len(abl.plan):
             notes.append(f"the script ended after {len(times)} of the ablation's {len(abl.plan)} timed steps: "
                          f"{result_ablation.blocks} complete blocks were judged; run it longer or lower --steps")
         if abl.blocks < ab.MIN_BLOCKS:
             notes.append(f"--steps {steps} fits {abl.blocks} blocks of {k} configurations; deciding needs "
-                         f"{ab.MIN_BLOCKS} ({ab.steps_needed(len(abl.groups), ab.MIN_BLOCKS)} steps)")
+                         f"{ab.MIN_BLOCKS} ({ab.steps_needed(len(abl.groups), ab.MIN_BLOCKS, abl.warm)} steps)")
+        if result_ablation.skipped:
+            notes.append(f"{len(result_ablation.skipped)} counted step(s) compiled something and were not counted "
+                         f"(compile time is not step time): steps {', '.join(map(str, result_ablation.skipped[:10]))}")
+        if abl.compiled:
+            compiled = _compile_cost(abl, result_ablation, times)
+            notes.append(_compile_note(compiled))
     elif abl.declined is None and not any(r.status in ("verified", "installed")
                                           for rep in abl.reports for r in rep.records):
         notes.append("no patch was verified before the timed steps, so none was timed")
@@ -669,6 +841,16 @@ def apply(
     def on_optimizer(opt) -> None:
         reports.append(patch_optimizer(opt, strict=strict, rule=OPTIMIZER_ID))
 
+    recompiled = [not (abl.compiled and kept_rules)]
+
+    def once_verified(opt, args, kwargs) -> None:
+        """A compiled script's optimizer step, until every kept patch is verified: see _recompile_whole."""
+        if not recompiled[0] and reports and not any(r.status == "pending" for rep in reports for r in rep.records):
+            recompiled[0] = True
+            _recompile_whole()
+
+    # removed after the run: torch iterates the global hooks while it calls this one
+    recompile = [] if recompiled[0] else [register_optimizer_step_post_hook(once_verified)]
     try:
         # Marked as apply's even if it ends partial: later commands must not plan from a patched run.
         after = profile_script(script, list(argv), warmup=warmup, steps=int(before.summary.get("steps") or 5),
@@ -681,6 +863,8 @@ def apply(
             raise err from None
         raise
     finally:
+        for h in recompile:
+            h.remove()
         for rep in reports:
             rep.unpatch()
     err = strict_failure(reports)
@@ -726,6 +910,8 @@ def apply(
                       losses, agree, tol, write_lines(kept, strict, checkpoint_paths(plan)) if kept else "", notes,
                       ablation=result_ablation, declined=abl.declined, ablation_reports=abl.reports, kept=kept,
                       not_installed=_not_installed(ids, abl.reports, plan), prefer=prefer, watch=watch)
+    if compiled is not None:
+        res.compiled = compiled | _under_compile(res.suggestions)
     if watch is not None and watch["diverged"]:
         res.write_lines = ""  # nothing that diverged is offered for keeping
     b, a = res.before_ms, res.after_ms
