@@ -377,6 +377,33 @@ def stream_plan(n_rows: int, n_cols: int, tile: int | None = None) -> tuple[tupl
 
 
 @triton.jit
+def cast_rtne(x, dtype: tl.constexpr, EMULATE_RTNE: tl.constexpr):
+    """fp32 -> `dtype` rounding to nearest even, as `.to` does on the GPU.
+
+    Triton's interpreter (3.9) truncates fp32 -> bf16 (it ignores the rounding mode), so CPU
+    results would differ from the GPU's by up to one bf16 ulp and never match torch bitwise.
+    Under the interpreter (EMULATE_RTNE) the rounding is done on the bits first: add
+    0x7FFF + the lowest kept bit, clear the 16 dropped bits; NaNs pass through unchanged.
+    Compiled kernels take the plain `.to` (EMULATE_RTNE is False there, so no extra work).
+    """
+    if EMULATE_RTNE and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    return x.to(dtype)
+
+
+@triton.jit
+def acc_zeros(BLOCK_N: tl.constexpr, ACC_F64: tl.constexpr):
+    """A zero row of weight-grad partials in fp64 (fp32 inputs) or fp32 (half inputs); rms_norm and layer_norm."""
+    if ACC_F64:
+        z = tl.zeros([BLOCK_N], dtype=tl.float64)
+    else:
+        z = tl.zeros([BLOCK_N], dtype=tl.float32)
+    return z
+
+
+@triton.jit
 def stream_tile(pid_m, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Row and column indices (int64, so offsets past 2^31 elements are safe) of the
     [BLOCK_M, BLOCK_N] tile in row block `pid_m` and column block program_id(0), and the

@@ -30,6 +30,8 @@ from torch import nn
 
 from kprof.errors import KprofError
 from kprof.kernels.common import (
+    acc_zeros,
+    cast_rtne,
     FP_FUSION,
     INTERPRETED,
     cdiv,
@@ -50,8 +52,6 @@ from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
 from kprof.kernels.rms_norm import (
     MAX_FUSED_N,
     RowConfig,
-    _acc_zeros,
-    _cast,
     backward_plan,
     sum_partials,
 )
@@ -102,7 +102,7 @@ def _layer_norm_fwd_kernel(
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     LOOP: tl.constexpr,
-    EMULATE_RTNE: tl.constexpr,  # interpreter only: see rms_norm._cast
+    EMULATE_RTNE: tl.constexpr,  # interpreter only: see common.cast_rtne
     TREE_EMU: tl.constexpr,  # interpreter only: the two-operand reduction as two tl.sum (below)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -147,7 +147,7 @@ def _layer_norm_fwd_kernel(
             y = y * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         if HAS_BIAS:
             y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + cols[None, :], _cast(y, Y.dtype.element_ty, EMULATE_RTNE), mask=mask)
+        tl.store(y_ptr + cols[None, :], cast_rtne(y, Y.dtype.element_ty, EMULATE_RTNE), mask=mask)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK_N):  # pass 1: mean
@@ -180,7 +180,7 @@ def _layer_norm_fwd_kernel(
                 y = y * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
             if HAS_BIAS:
                 y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + cols[None, :], _cast(y, Y.dtype.element_ty, EMULATE_RTNE), mask=mask)
+            tl.store(y_ptr + cols[None, :], cast_rtne(y, Y.dtype.element_ty, EMULATE_RTNE), mask=mask)
 
 
 @triton.jit
@@ -226,8 +226,8 @@ def _layer_norm_bwd_kernel(
         col_mask = cols < n_cols
         if HAS_WEIGHT:
             w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-        dw_acc = _acc_zeros(BLOCK_N, ACC_F64)
-        db_acc = _acc_zeros(BLOCK_N, ACC_F64)
+        dw_acc = acc_zeros(BLOCK_N, ACC_F64)
+        db_acc = acc_zeros(BLOCK_N, ACC_F64)
         for row0 in range(row_start, row_end, BLOCK_M):
             rows = row0 + tl.arange(0, BLOCK_M)
             row_mask = rows < row_end
@@ -250,7 +250,7 @@ def _layer_norm_bwd_kernel(
             c2 = s_g / n_cols
             c1 = s_gxh / n_cols
             dx = (g - c2[:, None] - x_hat * c1[:, None]) * rstd[:, None]
-            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], _cast(dx, DX.dtype.element_ty, EMULATE_RTNE), mask=mask)
+            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], cast_rtne(dx, DX.dtype.element_ty, EMULATE_RTNE), mask=mask)
             # (Accumulating dw/db before the reductions, as rms_norm does, made ptxas spill 8 B
             # per thread here at 4096 columns, bf16, sm_90: kept after.)
             if COMPUTE_DW:
@@ -297,8 +297,8 @@ def _layer_norm_bwd_kernel(
             col_mask = cols < n_cols
             if HAS_WEIGHT:
                 w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-            dw_acc = _acc_zeros(BLOCK_N, ACC_F64)
-            db_acc = _acc_zeros(BLOCK_N, ACC_F64)
+            dw_acc = acc_zeros(BLOCK_N, ACC_F64)
+            db_acc = acc_zeros(BLOCK_N, ACC_F64)
             for row0 in range(row_start, row_end, BLOCK_M):
                 rows = row0 + tl.arange(0, BLOCK_M)
                 row_mask = rows < row_end
@@ -317,7 +317,7 @@ def _layer_norm_bwd_kernel(
                 else:
                     g = dy
                 dx = (g - c2[:, None] - x_hat * c1[:, None]) * rstd[:, None]
-                tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], _cast(dx, DX.dtype.element_ty, EMULATE_RTNE), mask=mask)
+                tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], cast_rtne(dx, DX.dtype.element_ty, EMULATE_RTNE), mask=mask)
                 if COMPUTE_DW:
                     dw_acc += tl.sum((dy * x_hat).to(dw_acc.dtype), axis=0)
                 if COMPUTE_DB:

@@ -63,6 +63,7 @@ from kprof.errors import KprofError
 from kprof.kernels.common import (
     FP_FUSION,
     INTERPRETED,
+    cast_rtne,
     cdiv,
     device_ctx,
     fast_math,
@@ -75,7 +76,6 @@ from kprof.kernels.common import (
 )
 from kprof.kernels.glu import ACT_SILU, act_and_grad, act_fwd, swiglu_packed_reference
 from kprof.kernels.registry import Cost, KernelSpec, TensorMeta, register
-from kprof.kernels.rms_norm import _cast as cast_rtne
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _SILU = tl.constexpr(ACT_SILU)

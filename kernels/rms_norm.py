@@ -39,6 +39,8 @@ from torch import nn
 
 from kprof.errors import KprofError
 from kprof.kernels.common import (
+    acc_zeros,
+    cast_rtne,
     FP_FUSION,
     INTERPRETED,
     cdiv,
@@ -70,23 +72,6 @@ _CASTINGS = ("llama", "gemma")
 
 
 @triton.jit
-def _cast(x, dtype: tl.constexpr, EMULATE_RTNE: tl.constexpr):
-    """fp32 -> `dtype` rounding to nearest even, as `.to` does on the GPU.
-
-    Triton's interpreter (3.9) truncates fp32 -> bf16 (it ignores the rounding mode), so CPU
-    results would differ from the GPU's by up to one bf16 ulp and never match torch bitwise.
-    Under the interpreter (EMULATE_RTNE) the rounding is done on the bits first: add
-    0x7FFF + the lowest kept bit, clear the 16 dropped bits; NaNs pass through unchanged.
-    Compiled kernels take the plain `.to` (EMULATE_RTNE is False there, so no extra work).
-    """
-    if EMULATE_RTNE and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-    return x.to(dtype)
-
-
-@triton.jit
 def _rms_norm_fwd_kernel(
     X, R, W, Y, S, RSTD,
     stride_x, stride_r, stride_y, stride_s,
@@ -94,7 +79,7 @@ def _rms_norm_fwd_kernel(
     HAS_RESIDUAL: tl.constexpr,  # s = x + r (rounded to x's dtype) is normalized and stored
     GEMMA: tl.constexpr,  # gemma: y = (x_hat * (w + offset)) cast once; llama: cast x_hat first
     LOOP: tl.constexpr,  # row wider than one block: loop over column tiles
-    EMULATE_RTNE: tl.constexpr,  # interpreter only: see _cast
+    EMULATE_RTNE: tl.constexpr,  # interpreter only: see common.cast_rtne
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -116,7 +101,7 @@ def _rms_norm_fwd_kernel(
         x = tl.load(x_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             r = tl.load(r_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            s = _cast(x + r, S.dtype.element_ty, EMULATE_RTNE)  # HF adds in the activation dtype
+            s = cast_rtne(x + r, S.dtype.element_ty, EMULATE_RTNE)  # HF adds in the activation dtype
             tl.store(s_ptr + cols[None, :], s, mask=mask)
             x = s.to(tl.float32)
         rstd = tl.rsqrt(tl.where(row_mask, tl.sum(x * x, axis=1) / n_cols + eps, 1.0))  # padding rows: finite, never stored
@@ -124,8 +109,8 @@ def _rms_norm_fwd_kernel(
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
         x_hat = x * rstd[:, None]
         if not GEMMA:
-            x_hat = _cast(x_hat, X.dtype.element_ty, EMULATE_RTNE).to(tl.float32)
-        tl.store(y_ptr + cols[None, :], _cast(x_hat * w[None, :], Y.dtype.element_ty, EMULATE_RTNE), mask=mask)
+            x_hat = cast_rtne(x_hat, X.dtype.element_ty, EMULATE_RTNE).to(tl.float32)
+        tl.store(y_ptr + cols[None, :], cast_rtne(x_hat * w[None, :], Y.dtype.element_ty, EMULATE_RTNE), mask=mask)
     else:
         # Pass 1: sum of squares tile by tile (and the residual sum, stored once).
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -135,7 +120,7 @@ def _rms_norm_fwd_kernel(
             x = tl.load(x_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
                 r = tl.load(r_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                s = _cast(x + r, S.dtype.element_ty, EMULATE_RTNE)
+                s = cast_rtne(x + r, S.dtype.element_ty, EMULATE_RTNE)
                 tl.store(s_ptr + cols[None, :], s, mask=mask)
                 x = s.to(tl.float32)
             acc += x * x
@@ -151,22 +136,12 @@ def _rms_norm_fwd_kernel(
             x = tl.load(x_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
                 r = tl.load(r_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                x = _cast(x + r, S.dtype.element_ty, EMULATE_RTNE).to(tl.float32)
+                x = cast_rtne(x + r, S.dtype.element_ty, EMULATE_RTNE).to(tl.float32)
             w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
             x_hat = x * rstd[:, None]
             if not GEMMA:
-                x_hat = _cast(x_hat, X.dtype.element_ty, EMULATE_RTNE).to(tl.float32)
-            tl.store(y_ptr + cols[None, :], _cast(x_hat * w[None, :], Y.dtype.element_ty, EMULATE_RTNE), mask=mask)
-
-
-@triton.jit
-def _acc_zeros(BLOCK_N: tl.constexpr, ACC_F64: tl.constexpr):
-    """A zero row of weight-grad partials in fp64 (fp32 inputs) or fp32 (half inputs); shared with layer_norm."""
-    if ACC_F64:
-        z = tl.zeros([BLOCK_N], dtype=tl.float64)
-    else:
-        z = tl.zeros([BLOCK_N], dtype=tl.float32)
-    return z
+                x_hat = cast_rtne(x_hat, X.dtype.element_ty, EMULATE_RTNE).to(tl.float32)
+            tl.store(y_ptr + cols[None, :], cast_rtne(x_hat * w[None, :], Y.dtype.element_ty, EMULATE_RTNE), mask=mask)
 
 
 @triton.jit
@@ -198,7 +173,7 @@ def _rms_norm_bwd_kernel(
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < n_cols
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
-        dw_acc = _acc_zeros(BLOCK_N, ACC_F64)
+        dw_acc = acc_zeros(BLOCK_N, ACC_F64)
         for row0 in range(row_start, row_end, BLOCK_M):
             rows = row0 + tl.arange(0, BLOCK_M)
             row_mask = rows < row_end
@@ -217,7 +192,7 @@ def _rms_norm_bwd_kernel(
             dx = (g - x_hat * c[:, None]) * rstd[:, None]
             if HAS_DS:
                 dx += tl.load(DS + rows64[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], _cast(dx, DX.dtype.element_ty, EMULATE_RTNE), mask=mask)
+            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], cast_rtne(dx, DX.dtype.element_ty, EMULATE_RTNE), mask=mask)
         tl.store(DW_PART + pid * n_cols + cols, dw_acc, mask=col_mask)
     else:
         # Phase A: c = mean(g * x_hat) of every row of the chunk, into the fp32 scratch C.
@@ -243,7 +218,7 @@ def _rms_norm_bwd_kernel(
             cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < n_cols
             w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
-            dw_acc = _acc_zeros(BLOCK_N, ACC_F64)
+            dw_acc = acc_zeros(BLOCK_N, ACC_F64)
             for row0 in range(row_start, row_end, BLOCK_M):
                 rows = row0 + tl.arange(0, BLOCK_M)
                 row_mask = rows < row_end
@@ -257,7 +232,7 @@ def _rms_norm_bwd_kernel(
                 dx = (dy * w[None, :] - x_hat * c[:, None]) * rstd[:, None]
                 if HAS_DS:
                     dx += tl.load(DS + rows64[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], _cast(dx, DX.dtype.element_ty, EMULATE_RTNE), mask=mask)
+                tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], cast_rtne(dx, DX.dtype.element_ty, EMULATE_RTNE), mask=mask)
                 dw_acc += tl.sum((dy * x_hat).to(dw_acc.dtype), axis=0)
             tl.store(DW_PART + pid * n_cols + cols, dw_acc, mask=col_mask)
 
@@ -292,10 +267,10 @@ def _partials_sum_kernel(
         if HAS_SECOND:
             acc2 += tl.load(PART2 + offs, mask=mask, other=0.0).to(tl.float64)
     s = tl.sum(acc, axis=0).to(tl.float32)
-    tl.store(OUT + cols, _cast(s, OUT.dtype.element_ty, EMULATE_RTNE), mask=col_mask)
+    tl.store(OUT + cols, cast_rtne(s, OUT.dtype.element_ty, EMULATE_RTNE), mask=col_mask)
     if HAS_SECOND:
         s2 = tl.sum(acc2, axis=0).to(tl.float32)
-        tl.store(OUT2 + cols, _cast(s2, OUT2.dtype.element_ty, EMULATE_RTNE), mask=col_mask)
+        tl.store(OUT2 + cols, cast_rtne(s2, OUT2.dtype.element_ty, EMULATE_RTNE), mask=col_mask)
 
 
 # --------------------------------------------------------------------------------------------
