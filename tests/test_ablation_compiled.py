@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from test_ablation import _app, _rules
+from test_ablation import _COMPILED, _SCRIPT, _app, _rules
 from typer.testing import CliRunner
 
 from kprof.analyze.profile import profile_script
@@ -188,35 +188,15 @@ def test_compile_of_uncompiled_script_keeps_one_warm_block(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # `kprof apply` end to end on a script that compiles its model
 
-_COMPILED_PLANTED = """
-import sys, time, torch
-import torch.nn as nn
+def _edit(text: str, old: str, new: str) -> str:
+    assert old in text, old
+    return text.replace(old, new)
 
-torch.manual_seed(0)
 
-class Sleepy(nn.Module):  # planted: sleeps in its forward (the "fast" rule removes the sleep)
-    def __init__(self):
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(8, 8) / 8)
-    def forward(self, x):
-        time.sleep(0.025)
-        return torch.tanh(x @ self.w)
-
-class Plain(nn.Module):  # the "slow" rule's patch sleeps
-    def __init__(self):
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(8, 8) / 8)
-    def forward(self, x):
-        return torch.sigmoid(x @ self.w)
-
-model = torch.compile(nn.Sequential(Sleepy(), Plain()), backend="eager")
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
-for _ in range(int(sys.argv[1])):
-    loss = model(torch.randn(4, 8)).pow(2).mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-"""
+# test_ablation's planted script (25 ms sleeps), its model compiled by Dynamo
+_COMPILED_PLANTED = _edit(_SCRIPT, 'model = nn.Sequential(*[parts[p]() for p in sys.argv[1].split(",")])',
+                          'model = torch.compile(nn.Sequential(*[parts[p]() for p in sys.argv[1].split(",")]), '
+                          'backend="eager")')
 
 
 def test_apply_on_a_compiled_script_keeps_what_beats_compile(tmp_path):
@@ -225,10 +205,10 @@ def test_apply_on_a_compiled_script_keeps_what_beats_compile(tmp_path):
     root = tmp_path / "runs"
     rules = _rules(tmp_path)
     limits = ap._recompile_limits()
-    profile_script(str(script), ["100"], warmup=1, steps=2, out_root=root)
+    profile_script(str(script), ["sleepy,plain", "100"], warmup=1, steps=2, out_root=root)
     # 2 groups -> 4 configurations; 56 steps = 2 warm blocks (compiled) + 12 counted blocks
     res = CliRunner().invoke(_app(), ["apply", str(script), "--patch", "fast,slow", "--rules", str(rules), "--out",
-                                      str(root), "--steps", "56", "--json", "--", "100"])
+                                      str(root), "--steps", "56", "--json", "--", "sleepy,plain", "100"])
     assert res.exit_code == 0, res.output + repr(res.exception)
     doc = json.loads(res.stdout[res.stdout.index("{"):])
     assert doc["ablation_declined"] is None and doc["ablation"]["blocks"] == 12
@@ -251,21 +231,13 @@ def test_apply_on_a_compiled_script_keeps_what_beats_compile(tmp_path):
     assert doc["after_ms"] > 0 and doc["losses_agree"] is True
 
 
-_COMPILED_INDUCTOR = """
-import torch
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 16))
-model = torch.compile(model, backend="inductor")
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for _ in range(40):
-    loss = model(torch.randn(4, 16)).pow(2).mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-"""
+# test_ablation's compiled script, compiled by Inductor when given --compile
+_COMPILED_INDUCTOR = _edit(_edit(_COMPILED, "import torch\n", "import sys, torch\n"),
+                           'model = torch.compile(model, backend="eager")  # Dynamo without a C++ toolchain',
+                           'if "--compile" in sys.argv:\n    model = torch.compile(model, backend="inductor")')
 
 
-@pytest.mark.slow  # Inductor compiles every configuration's forward and backward on the CPU (~1-2 min on 2 cores)
+@pytest.mark.slow  # Inductor compiles every configuration's forward and backward on the CPU (~15 s on 2 cores)
 def test_apply_under_inductor_end_to_end(tmp_path):
     from rich.console import Console
 
@@ -275,8 +247,10 @@ def test_apply_under_inductor_end_to_end(tmp_path):
     script.write_text(_COMPILED_INDUCTOR)
     root = tmp_path / "runs"
     limits = ap._recompile_limits()
-    profile_script(str(script), [], warmup=1, steps=2, out_root=root)
-    res = ap.apply(str(script), patch="layer_norm", out_root=root, steps=16)
+    # Planned from the uncompiled script: Inductor fuses the CPU LayerNorm into its own kernels,
+    # so the compiled run's plan has no layer_norm to patch on this tiny model.
+    plan_run = profile_script(str(script), [], warmup=1, steps=2, out_root=root)
+    res = ap.apply(str(script), ["--compile"], patch="layer_norm", run=plan_run.name, out_root=root, steps=16)
     assert res.declined is None and res.ablation is not None
     c = res.compiled
     assert c["warm_blocks"] == ab.WARM_BLOCKS_COMPILED and c["warm_steps"] == 4 and c["graphs"] >= 1
