@@ -584,15 +584,16 @@ def code_change(diagnoses: Sequence[dict], prefer: str = "time") -> dict | None:
 def recommend(res: ApplyResult, plan: dict, script: str, root) -> str:
     """What to do, and what wins when kprof's patches don't."""
     hb = plan.get("host_bound")
-    comp = _compile_figure(script, root)
-    compile_txt = (f"torch.compile measured {comp[0]:.2f}x eager (run {comp[1]})" if comp else
-                   f"measure torch.compile against these patches with `kprof apply {script} --compare`")
     if res.compiled is not None:
         # The ablation itself was kprof + compile against compile: no separate figure to point to.
         aside = [r["id"] for r in res.compiled["stepped_aside"]]
         compile_txt = ("timed under the script's own torch.compile: " +
                        (f"{', '.join(aside)} stepped aside (compile's own code was not slower)" if aside
                         else "every patch beat compile's own code"))
+    else:
+        comp = _compile_figure(script, root)
+        compile_txt = (f"torch.compile measured {comp[0]:.2f}x eager (run {comp[1]})" if comp else
+                       f"measure torch.compile against these patches with `kprof apply {script} --compare`")
     diag = code_change(plan.get("diagnoses") or [], res.prefer)
     code = f"; code change: {diag['id']}: {diag.get('change') or diag.get('how')}" if diag else ""
     if res.declined:
@@ -851,9 +852,11 @@ def apply(
 
     # removed after the run: torch iterates the global hooks while it calls this one
     recompile = [] if recompiled[0] else [register_optimizer_step_post_hook(once_verified)]
+    # The root's patch verifies in the 2nd step, the recompile lands in the 3rd: none in a timed step.
+    after_warmup = warmup if recompiled[0] else max(warmup, ABLATION_WARMUP)
     try:
         # Marked as apply's even if it ends partial: later commands must not plan from a patched run.
-        after = profile_script(script, list(argv), warmup=warmup, steps=int(before.summary.get("steps") or 5),
+        after = profile_script(script, list(argv), warmup=after_warmup, steps=int(before.summary.get("steps") or 5),
                                out_root=root, progress=progress, on_root_module=on_root if kept_rules else None,
                                on_optimizer=on_optimizer if OPTIMIZER_ID in kept else None,
                                summary_extra={"apply_of": {"run": before.name, "patches": list(kept)}})
