@@ -298,19 +298,20 @@ for _ in range(40):
 
 def test_compiled_script_is_ablated_under_its_compile(tmp_path):
     # kprof + compile against compile alone (tests/test_ablation_compiled.py has the details)
-    from kprof.patching.apply import apply
+    from kprof.patching import apply as ap
 
     script = tmp_path / "compiled.py"
     script.write_text(_COMPILED)
     root = tmp_path / "runs"
     profile_script(str(script), [], warmup=1, steps=2, out_root=root)
-    res = apply(str(script), patch="layer_norm", out_root=root, steps=16)
+    res = ap.apply(str(script), patch="layer_norm", out_root=root, steps=16)
     assert res.declined is None and res.ablation.warm_blocks == ab.WARM_BLOCKS_COMPILED
     assert res.ablation.blocks == 6 and res.to_dict()["ablation_declined"] is None
     (row,) = res.suggestions.to_dict("records")
     assert row["n"] == 6 and row["verdict"] in ("kept", "dropped", "undecided")
     c = res.to_dict()["compiled"]
     assert c["active"] == res.kept and [r["id"] for r in c["stepped_aside"]] == ([] if res.kept else ["layer_norm"])
+    assert res.write_lines == ("" if not res.kept else ap.write_lines(res.kept, False) + ap.COMPILED_LINES)
 
 
 def test_code_change_named_is_the_largest_time_saving():

@@ -229,6 +229,8 @@ def test_apply_on_a_compiled_script_keeps_what_beats_compile(tmp_path):
     # the after run: the script compiled again, the kept patch verified inside it
     assert [(r["rule"], r["status"]) for r in doc["records"]["after"]] == [("fast", "verified")]
     assert doc["after_ms"] > 0 and doc["losses_agree"] is True
+    # the lines that keep it say how to recompile the model whole once the patches are verified
+    assert doc["write_lines"].endswith(ap.COMPILED_LINES) and "rules=['fast']" in doc["write_lines"]
 
 
 # test_ablation's compiled script, compiled by Inductor when given --compile

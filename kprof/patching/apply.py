@@ -250,6 +250,15 @@ def live_rules(ids: Sequence[str], plan: dict) -> list:
     return [checkpoint_rule(paths) if i == ID and paths else i for i in ids if i != OPTIMIZER_ID]
 
 
+# What the after run does for a compiled script (_recompile_whole), for the user's own loop.
+COMPILED_LINES = (
+    "# Your script compiles its model: call kprof.patch before torch.compile. Each patch verifies\n"
+    "# eagerly at its first call, a graph break that can leave the model compiled in pieces; once\n"
+    "# all are verified (after the 2nd step), recompile it whole, as kprof apply timed it:\n"
+    "#     if step == 1: torch._dynamo.reset_code_caches()\n"
+)
+
+
 def write_lines(ids: Sequence[str], strict: bool, checkpoint: Sequence[str] = ()) -> str:
     from kprof.rules.checkpointing import ID
 
@@ -910,7 +919,9 @@ def apply(
         watch = loss_watch(before.summary["losses"], ctl, after.summary["losses"], loss_dt)
     res = ApplyResult(before, after, ids, reports, compare(before, after),
                       suggestions_frame(plan, ids, abl.reports, result_ablation, kept, abl.declined),
-                      losses, agree, tol, write_lines(kept, strict, checkpoint_paths(plan)) if kept else "", notes,
+                      losses, agree, tol,
+                      write_lines(kept, strict, checkpoint_paths(plan)) + (COMPILED_LINES if compiled else "")
+                      if kept else "", notes,
                       ablation=result_ablation, declined=abl.declined, ablation_reports=abl.reports, kept=kept,
                       not_installed=_not_installed(ids, abl.reports, plan), prefer=prefer, watch=watch)
     if compiled is not None:
