@@ -255,7 +255,7 @@ COMPILED_LINES = (
     "# Your script compiles its model: call kprof.patch before torch.compile. Each patch verifies\n"
     "# eagerly at its first call, a graph break that can leave the model compiled in pieces; once\n"
     "# all are verified (after the 2nd step), recompile it whole, as kprof apply timed it:\n"
-    "#     if step == 1: torch._dynamo.reset_code_caches()\n"
+    "#     if step == 1: torch._dynamo.reset_code_caches()  # at the end of the training loop's body\n"
 )
 
 
