@@ -99,6 +99,19 @@ def test_warm_block_is_not_counted():
     assert res.decisions[0].verdict == "kept" and res.decisions[0].saving_ms == pytest.approx(1.0)
 
 
+def test_compiled_warm_blocks_and_compiling_steps_are_not_counted():
+    sched = ab.schedule(["g"], 8, warm=ab.WARM_BLOCKS_COMPILED)
+    assert len(sched) == ab.steps_needed(1, 8, ab.WARM_BLOCKS_COMPILED) == 20
+    assert ab.blocks_within(20, 1, ab.WARM_BLOCKS_COMPILED) == 8
+    times = _times([("g",)], sched, {"g": -1.0})
+    times[:4] = [1e6] * 4  # the two warm blocks: each configuration's compile, then its second run
+    times[7] = 1e6  # a counted step during which something compiled all the same
+    res = ab.decide([("g",)], sched, times, warm=ab.WARM_BLOCKS_COMPILED, skip={1, 7, 99})
+    d = res.decisions[0]
+    assert res.skipped == [7] and res.warm_blocks == ab.WARM_BLOCKS_COMPILED  # warm or past the end: not listed
+    assert res.blocks == 7 and d.n == 7 and d.verdict == "kept" and d.saving_ms == pytest.approx(1.0)
+
+
 def test_sign_interval_order_statistics():
     xs = list(range(1, 11))  # n = 10: the 95% interval is [x_(2), x_(9)]
     assert ab.sign_interval(xs) == (2, 9)

@@ -212,6 +212,7 @@ def test_apply_on_a_compiled_script_keeps_what_beats_compile(tmp_path):
     assert res.exit_code == 0, res.output + repr(res.exception)
     doc = json.loads(res.stdout[res.stdout.index("{"):])
     assert doc["ablation_declined"] is None and doc["ablation"]["blocks"] == 12
+    assert doc["ablation"]["warm_blocks"] == ab.WARM_BLOCKS_COMPILED and doc["ablation"]["uncounted_steps"] == []
     by = {p["id"]: p for p in doc["patches"]}
     assert by["fast"]["verdict"] == "kept" and by["slow"]["verdict"] == "dropped", by
     c = doc["compiled"]

@@ -115,7 +115,8 @@ class ApplyResult:
             "ablation": None if a is None else {
                 "test": "sign test on paired per-block differences (all on but the group - all on), 95% interval "
                         "of the median from order statistics",
-                "steps": a.steps, "blocks": a.blocks, "groups": [list(g) for g in a.groups],
+                "steps": a.steps, "blocks": a.blocks, "warm_blocks": a.warm_blocks, "uncounted_steps": a.skipped,
+                "groups": [list(g) for g in a.groups],
                 "config_ms": a.config_ms, "peak_bytes": a.peak_bytes, "config_times_ms": a.times_by_config,
                 "total": None if a.total is None else {
                     "saving_ms": a.total.saving_ms, "interval_ms": [a.total.lo_ms, a.total.hi_ms], "n": a.total.n,
