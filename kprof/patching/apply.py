@@ -330,7 +330,7 @@ def _recompile_whole() -> None:
     be timed against a compile the script never had."""
     import torch._dynamo
 
-    getattr(torch._dynamo, "reset_code_caches", torch._dynamo.reset)()
+    torch._dynamo.reset_code_caches()
 
 
 def _recompile_limits() -> dict[str, int]:
@@ -542,10 +542,11 @@ def _compile_cost(abl: _Ablation, a: "ab.Ablation", times: Sequence[float]) -> d
 def _compile_note(c: dict) -> str:
     spent = f", about {c['compile_s']:.3g} s of it compiling" if c["compile_s"] is not None else ""
     limits = "; ".join(f"{k} {v['was']} -> {v['during']}" for k, v in c["recompile_limit"].items())
-    return (f"the script compiles its model: {c['graphs']} Dynamo graph(s) compiled for {c['configurations']} "
-            f"configurations in the {c['warm_blocks']} warm blocks ({c['warm_steps']} steps, {c['warm_s']:.3g} s"
-            f"{spent}; {c['extra_warm_steps']} steps more than an uncompiled script's ablation, within --steps); "
-            f"Dynamo's recompile limits raised for the ablation and restored after ({limits})")
+    return (f"the script compiles its model: {c['graphs']} Dynamo graph(s) compiled for its {c['configurations']} "
+            f"configurations during the timed steps, before the counted ones: {c['warm_blocks']} warm blocks "
+            f"({c['warm_steps']} steps, {c['warm_s']:.3g} s{spent}; {c['extra_warm_steps']} steps more than an "
+            f"uncompiled script's ablation, within --steps); Dynamo's recompile limits raised for the ablation and "
+            f"restored after ({limits})")
 
 
 def _under_compile(frame: pd.DataFrame) -> dict:
